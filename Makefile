@@ -1,0 +1,35 @@
+# vllm-fork: a tested patch series on a pinned upstream vLLM.
+# Run `make help` for the targets. Python 3.11+ and git are all it needs
+# to start; everything else is installed into .venv.
+
+PYTHON ?= python3
+SERIES ?= patches
+TREE ?= vllm
+
+.DEFAULT_GOAL := help
+.PHONY: help fetch apply refresh install venv test clean
+
+help: ## list the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo "  Variables: SERIES=$(SERIES) TREE=$(TREE) PYTHON=$(PYTHON)"
+
+fetch: ## download and verify the pinned upstream base, import it into .cache/
+	$(PYTHON) scripts/fetch.py --series $(SERIES)
+
+apply: venv ## build vllm/: upstream base + patches + overlay (idempotent)
+	$(PYTHON) scripts/apply.py --series $(SERIES) --tree $(TREE)
+
+refresh: ## write patches/ back from the commits in vllm/
+	$(PYTHON) scripts/refresh.py --series $(SERIES) --tree $(TREE)
+
+install: apply ## pip install -e vllm into .venv with this machine's variables
+	$(PYTHON) scripts/install.py --tree $(TREE)
+
+venv: ## create .venv with torch and vLLM's build requirements
+	@$(PYTHON) scripts/venv.py build >/dev/null
+
+test: ## tooling tests, upstream tests on base and series, reproducers, lint
+	$(PYTHON) scripts/run_tests.py
+
+clean: ## remove generated work trees and logs (keeps vllm/, .venv, .cache)
+	rm -rf .work

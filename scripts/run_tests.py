@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""`make test`: prove each series against its unpatched upstream base.
+
+For every series (default: patches/ and any series under patches/v*/):
+  1. build .work/v<version>/base (bare upstream) and .work/v<version>/series
+     (base + patches + overlay), and the test environment .venv;
+  2. run upstream's tests/v1/core and tests/v1/simple_kv_offload on both
+     trees: a test that passes on the base must pass with the series;
+  3. run tests/reproducers on both trees: every test a patch names in a
+     `Reproducer:` trailer must fail on the base and pass with the series;
+  4. check the series is stable: refresh right after apply changes no byte;
+  5. lint the files the series changes with vLLM's own ruff settings.
+Then, once: the project's own tests (tests/, with the first series' tree)
+and ruff on scripts/ and tests/. Ends with a summary table; exits non-zero
+if any step failed. Logs are in .work/logs/.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from apply import apply_series, checkout_base
+from common import (
+    DEFAULT_SERIES,
+    ROOT,
+    WORK,
+    ForkError,
+    git,
+    main_guard,
+    parser,
+    rel,
+    say,
+    step,
+)
+from common import run as run_cmd
+from refresh import refresh_series
+from series import Series
+from testenv import count, read_junit, run_pytest
+from venv import VENV, ensure_venv
+
+UPSTREAM_TESTS = ["tests/v1/core", "tests/v1/simple_kv_offload"]
+REPRODUCERS = ROOT / "tests" / "reproducers"
+LOGS = WORK / "logs"
+
+
+@dataclass
+class Result:
+    name: str
+    ok: bool
+    detail: str
+    seconds: float
+
+
+@dataclass
+class Trees:
+    series: Series
+    version: str
+    base: Path
+    patched: Path
+
+
+def find_series() -> list[Series]:
+    found = [Series(DEFAULT_SERIES)]
+    found += [
+        Series(d)
+        for d in sorted(DEFAULT_SERIES.glob("v*"))
+        if (d / "base.toml").is_file()
+    ]
+    return found
+
+
+def prepare(series: Series) -> Trees:
+    version = series.base().version
+    work = WORK / f"v{version}"
+    base_tree, patched = work / "base", work / "series"
+    checkout_base(series, base_tree)
+    apply_series(series, patched)
+    return Trees(series, version, base_tree, patched)
+
+
+def summarize(outcomes: dict[str, str]) -> str:
+    c = count(outcomes)
+    return (
+        f"{c['passed']} passed, {c['failed']} failed, {c['error']} errors, "
+        f"{c['skipped']} skipped"
+    )
+
+
+def both_trees(
+    python: Path,
+    trees: Trees,
+    label: str,
+    args: list[str],
+    cwd_base: Path | None = None,
+) -> tuple[dict, dict]:
+    """Run pytest on the base and patched trees at once (two cores)."""
+
+    def one(kind: str, tree: Path) -> dict[str, str]:
+        junit = LOGS / f"{label}-v{trees.version}-{kind}.xml"
+        log = LOGS / f"{label}-v{trees.version}-{kind}.log"
+        junit.unlink(missing_ok=True)
+        run_pytest(python, tree, cwd_base or tree, junit, args, log)
+        return read_junit(junit)
+
+    with ThreadPoolExecutor(2) as pool:
+        base = pool.submit(one, "base", trees.base)
+        patched = pool.submit(one, "series", trees.patched)
+        return base.result(), patched.result()
+
+
+def upstream_tests(python: Path, trees: Trees) -> tuple[bool, str]:
+    base, patched = both_trees(python, trees, "upstream", UPSTREAM_TESTS)
+    if not base or not patched:
+        return False, f"no results: see {rel(LOGS)}/upstream-*.log"
+    regressions = sorted(
+        t for t, o in base.items() if o == "passed" and patched.get(t) != "passed"
+    )
+    new_failing = sorted(
+        t for t, o in patched.items() if t not in base and o in ("failed", "error")
+    )
+    detail = f"base: {summarize(base)}\nseries: {summarize(patched)}"
+    bad = regressions + new_failing
+    if bad:
+        detail += f"\n{len(bad)} newly failing:\n" + "\n".join(f"  {t}" for t in bad)
+    else:
+        detail += "\nno test that passes on the base fails with the series"
+    return not bad, detail
+
+
+def reproducers(python: Path, trees: Trees) -> tuple[bool, str]:
+    patches = trees.series.patches()
+    if not patches:
+        return True, "series has no patches"
+    base, patched = both_trees(
+        python, trees, "reproducers", [str(REPRODUCERS)], cwd_base=ROOT
+    )
+    problems, checked = [], 0
+    named = set()
+    for p in patches:
+        ids = p.reproducers()
+        if not ids:
+            problems.append(f"{p.name}: names no Reproducer")
+        for test_id in ids:
+            named.add(test_id)
+            checked += 1
+            on_base, on_series = base.get(test_id), patched.get(test_id)
+            if on_base != "failed" or on_series != "passed":
+                problems.append(
+                    f"{p.name}: {test_id}: base {on_base or 'not run'}, "
+                    f"series {on_series or 'not run'} (want failed, passed)"
+                )
+    for test_id, outcome in sorted(patched.items()):
+        if test_id not in named and outcome in ("failed", "error"):
+            problems.append(f"{test_id} fails with the series")
+    detail = (
+        f"{checked} reproducer tests of {len(patches)} patches: "
+        f"fail on the base, pass with the series"
+    )
+    if problems:
+        detail = "\n".join(problems)
+    return not problems, detail
+
+
+def series_stable(trees: Trees) -> tuple[bool, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "series"
+        shutil.copytree(trees.series.dir, copy, ignore=shutil.ignore_patterns("v*"))
+        changes = refresh_series(Series(copy), trees.patched)
+    changed = [f"{k} {n}" for k, names in changes.items() for n in names]
+    if changed:
+        return False, "refresh after apply would change: " + ", ".join(changed)
+    return True, "refresh after apply changes no byte"
+
+
+def ruff(files: list[str], cwd: Path) -> tuple[bool, str]:
+    ruff_bin = str(VENV / "bin" / "ruff")
+    if not files:
+        return True, "no Python files"
+    check = run_cmd([ruff_bin, "check", "--quiet", *files], cwd=cwd, check=False)
+    fmt = run_cmd(
+        [ruff_bin, "format", "--check", "--quiet", *files], cwd=cwd, check=False
+    )
+    out = (check.stdout + check.stderr + fmt.stdout + fmt.stderr).strip()
+    ok = check.returncode == 0 and fmt.returncode == 0
+    return ok, (f"{len(files)} files clean" if ok else out[-3000:])
+
+
+def vllm_lint(trees: Trees) -> tuple[bool, str]:
+    base = trees.series.base()
+    files = git(
+        trees.patched,
+        "diff",
+        "--name-only",
+        "--diff-filter=d",
+        base.tag,
+        "HEAD",
+        "--",
+        "*.py",
+    ).split()
+    return ruff(files, trees.patched)
+
+
+def project_tests(python: Path, trees: Trees) -> tuple[bool, str]:
+    junit, log = LOGS / "project.xml", LOGS / "project.log"
+    junit.unlink(missing_ok=True)
+    code = run_pytest(
+        python, trees.patched, ROOT, junit, ["tests", f"--ignore={REPRODUCERS}"], log
+    )
+    outcomes = read_junit(junit)
+    failed = sorted(t for t, o in outcomes.items() if o in ("failed", "error"))
+    detail = summarize(outcomes)
+    if failed:
+        detail += "\n" + "\n".join(f"  {t}" for t in failed)
+    ok = code == 0 and bool(outcomes)
+    if not outcomes:
+        detail = f"pytest exit {code}, no results: see {rel(log)}"
+    return ok, detail
+
+
+class Report:
+    """Runs the steps, prints each outcome, and keeps them for the table."""
+
+    def __init__(self) -> None:
+        self.results: list[Result] = []
+
+    def run(self, name: str, fn: Callable[[], tuple]) -> Any:
+        """Run a step: fn returns (ok, detail) or (ok, detail, value)."""
+        step(name)
+        start = time.monotonic()
+        try:
+            ok, detail, *value = fn()
+        except ForkError as e:
+            ok, detail, value = False, str(e), []
+        self.results.append(Result(name, ok, detail, time.monotonic() - start))
+        say(("    ok: " if ok else "    FAILED: ") + detail.replace("\n", "\n    "))
+        return value[0] if value else None
+
+
+def table(results: list[Result]) -> str:
+    width = max(len(r.name) for r in results)
+    lines = [
+        f"{'step':<{width}}  result  {'time':>6}  detail",
+        f"{'-' * width}  ------  ------  ------",
+    ]
+    for r in results:
+        detail = r.detail.splitlines()
+        first = detail[0] if detail else ""
+        lines.append(
+            f"{r.name:<{width}}  {'pass' if r.ok else 'FAIL':6}  "
+            f"{r.seconds:5.0f}s  {first}"
+        )
+        lines += [f"{'':<{width}}  {'':6}  {'':6}  {d}" for d in detail[1:8]]
+        if len(detail) > 8:
+            lines.append(f"{'':<{width}}  {'':6}  {'':6}  ... see {rel(LOGS)}/")
+    return "\n".join(lines)
+
+
+def build_trees(series: Series) -> tuple[bool, str, Trees]:
+    trees = prepare(series)
+    return True, f"{rel(trees.base)}/ and {rel(trees.patched)}/", trees
+
+
+def build_env(trees: Trees) -> tuple[bool, str, Path]:
+    python = ensure_venv("test", trees.base / "requirements" / "common.txt")
+    return True, rel(VENV), python
+
+
+def main() -> int:
+    p = parser(__doc__)
+    p.add_argument(
+        "--series",
+        type=Path,
+        action="append",
+        help="series to test (repeatable; default: all)",
+    )
+    p.add_argument(
+        "--skip-upstream",
+        action="store_true",
+        help="skip upstream's tests (the slowest step)",
+    )
+    args = p.parse_args()
+    series_list = (
+        [Series(s.resolve()) for s in args.series] if args.series else find_series()
+    )
+    LOGS.mkdir(parents=True, exist_ok=True)
+    report = Report()
+    start = time.monotonic()
+
+    all_trees = [
+        report.run(f"trees v{s.base().version}", lambda s=s: build_trees(s))
+        for s in series_list
+    ]
+    all_trees = [t for t in all_trees if t is not None]
+    python = (
+        report.run("environment", lambda: build_env(all_trees[0]))
+        if all_trees
+        else None
+    )
+    if python is not None:
+        first = all_trees[0]
+        report.run("project tests", lambda: project_tests(python, first))
+        report.run("ruff (scripts, tests)", lambda: ruff(["scripts", "tests"], ROOT))
+        for t in all_trees:
+            v = t.version
+            if not args.skip_upstream:
+                report.run(
+                    f"upstream tests v{v}", lambda t=t: upstream_tests(python, t)
+                )
+            report.run(f"reproducers v{v}", lambda t=t: reproducers(python, t))
+            report.run(f"series stable v{v}", lambda t=t: series_stable(t))
+            report.run(f"ruff vLLM settings v{v}", lambda t=t: vllm_lint(t))
+
+    ok = bool(report.results) and all(r.ok for r in report.results)
+    say("")
+    say(table(report.results))
+    say(
+        f"\n{'PASSED' if ok else 'FAILED'} in {time.monotonic() - start:.0f}s "
+        f"(logs in {rel(LOGS)}/)"
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,132 @@
+"""A patch series: its pinned upstream base, its patches and their trailers."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import OVERLAY, ForkError, rel
+
+BASE_FILE = "base.toml"
+BASE_KEYS = ("version", "sdist_url", "sdist_sha256", "git_url", "git_ref")
+TRAILER_RE = re.compile(r"^([A-Za-z][A-Za-z0-9-]*): (.+)$")
+
+
+@dataclass(frozen=True)
+class Base:
+    """Where the upstream release of a series comes from, and its checksum."""
+
+    version: str
+    sdist_url: str
+    sdist_sha256: str
+    git_url: str = "https://github.com/vllm-project/vllm.git"
+    git_ref: str = ""
+
+    @property
+    def tag(self) -> str:
+        """Tag of the imported upstream commit."""
+        return f"upstream/v{self.version}"
+
+    @property
+    def branch(self) -> str:
+        """Branch that holds this base plus the series."""
+        return f"fork/v{self.version}"
+
+    def to_toml(self) -> str:
+        lines = ["# Pinned upstream base of this patch series (see README.md)."]
+        for key in BASE_KEYS:
+            lines.append(f'{key} = "{getattr(self, key)}"')
+        return "\n".join(lines) + "\n"
+
+
+def read_base(path: Path) -> Base:
+    if not path.is_file():
+        raise ForkError(f"{rel(path)} not found: a series needs its pinned base")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ForkError(f"{rel(path)} is not valid TOML: {e}") from e
+    missing = [k for k in ("version", "sdist_url", "sdist_sha256") if k not in data]
+    if missing:
+        raise ForkError(f"{rel(path)} lacks {', '.join(missing)}")
+    unknown = sorted(set(data) - set(BASE_KEYS))
+    if unknown:
+        raise ForkError(f"{rel(path)} has unknown keys: {', '.join(unknown)}")
+    if not re.fullmatch(r"[0-9a-f]{64}", data["sdist_sha256"]):
+        raise ForkError(f"{rel(path)}: sdist_sha256 must be 64 lowercase hex digits")
+    data.setdefault("git_ref", f"v{data['version']}")
+    return Base(**data)
+
+
+@dataclass(frozen=True)
+class Patch:
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def message(self) -> str:
+        """The commit message part of the patch (before the diffstat)."""
+        text = self.path.read_text()
+        head, _, _ = text.partition("\n---\n")
+        return head
+
+    def subject(self) -> str:
+        m = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*)$", self.message(), re.M)
+        return m.group(1) if m else self.name
+
+    def trailers(self) -> dict[str, list[str]]:
+        """`Key: value` lines of the message's last paragraph."""
+        body = self.message().rstrip().split("\n\n")[-1]
+        out: dict[str, list[str]] = {}
+        for line in body.splitlines():
+            m = TRAILER_RE.match(line.strip())
+            if m:
+                out.setdefault(m.group(1), []).append(m.group(2).strip())
+        return out
+
+    def reproducers(self) -> list[str]:
+        return self.trailers().get("Reproducer", [])
+
+
+@dataclass(frozen=True)
+class Series:
+    """A directory holding base.toml and NNNN-*.patch files."""
+
+    dir: Path
+    overlay: Path = OVERLAY
+
+    @property
+    def base_file(self) -> Path:
+        return self.dir / BASE_FILE
+
+    def base(self) -> Base:
+        return read_base(self.base_file)
+
+    def patches(self) -> list[Patch]:
+        return [Patch(p) for p in sorted(self.dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))]
+
+    def overlay_files(self) -> list[Path]:
+        """Overlay files, relative to the overlay root, in a stable order."""
+        if not self.overlay.is_dir():
+            return []
+        return sorted(
+            p.relative_to(self.overlay)
+            for p in self.overlay.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        )
+
+    def fingerprint(self) -> str:
+        """Digest of everything `apply` builds from: base, patches, overlay."""
+        h = hashlib.sha256()
+        h.update(self.base().sdist_sha256.encode())
+        for p in self.patches():
+            h.update(b"\0patch\0" + p.name.encode() + b"\0" + p.path.read_bytes())
+        for f in self.overlay_files():
+            data = (self.overlay / f).read_bytes()
+            h.update(b"\0overlay\0" + str(f).encode() + b"\0" + data)
+        return h.hexdigest()[:16]

@@ -1,0 +1,115 @@
+"""The environment vLLM source trees are tested in on a CPU-only machine.
+
+- the tree itself on PYTHONPATH (nothing is installed);
+- tests/upstream_env on PYTHONPATH: a pytest plugin that skips vLLM's
+  accelerator cleanup fixture, and a platform plugin selecting the CPU;
+- an offline Hugging Face cache holding only the config.json of the hub
+  models the tests name (no weights), built from tests/upstream_env.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from common import ROOT, WORK, run
+
+UPSTREAM_ENV = ROOT / "tests" / "upstream_env"
+HF_CONFIGS = UPSTREAM_ENV / "hf_configs"
+PYTEST_PLUGIN = "fork_upstream_plugin"
+FAKE_REVISION = "0" * 40
+
+
+def build_hf_cache(dest: Path = WORK / "hf") -> Path:
+    """Lay the config files out as a Hugging Face hub cache under `dest`."""
+    for cfg_dir in sorted(p for p in HF_CONFIGS.glob("*/*") if p.is_dir()):
+        repo = dest / "hub" / f"models--{cfg_dir.parent.name}--{cfg_dir.name}"
+        snapshot = repo / "snapshots" / FAKE_REVISION
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(FAKE_REVISION)
+        for f in cfg_dir.iterdir():
+            shutil.copyfile(f, snapshot / f.name)
+    return dest
+
+
+def tree_env(tree: Path, hf_home: Path | None = None) -> dict[str, str]:
+    """Environment variables for running Python against `tree`."""
+    hf_home = hf_home or build_hf_cache()
+    return {
+        "PYTHONPATH": os.pathsep.join([str(tree), str(UPSTREAM_ENV)]),
+        "HF_HOME": str(hf_home),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_FORK_TREE": str(tree),
+        # Two test runs share two cores; keep torch from oversubscribing.
+        "OMP_NUM_THREADS": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+
+
+def pytest_cmd(python: Path, junit: Path, *args: str) -> list[str]:
+    return [
+        str(python),
+        "-m",
+        "pytest",
+        "-p",
+        PYTEST_PLUGIN,
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--tb=short",
+        "-o",
+        "junit_family=xunit1",
+        f"--junitxml={junit}",
+        *args,
+    ]
+
+
+def run_pytest(
+    python: Path, tree: Path, cwd: Path, junit: Path, args: list[str], log: Path
+) -> int:
+    """Run pytest against `tree`, output to `log`; return pytest's exit code."""
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = run(
+            pytest_cmd(python, junit, *args),
+            cwd=cwd,
+            env=tree_env(tree),
+            check=False,
+            capture=True,
+        )
+        out.write(proc.stdout + proc.stderr)
+    return proc.returncode
+
+
+def read_junit(path: Path) -> dict[str, str]:
+    """Map test id (file::name) to passed / failed / error / skipped."""
+    outcomes: dict[str, str] = {}
+    if not path.exists():
+        return outcomes
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname = case.get("classname", "")
+        file = case.get("file") or classname.replace(".", "/") + ".py"
+        module = file.removesuffix(".py").replace("/", ".")
+        cls = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
+        test_id = "::".join(filter(None, [file, cls, case.get("name")]))
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                break
+        # A test that passes but errors in teardown appears twice: keep the worst.
+        if outcomes.get(test_id) in ("failed", "error"):
+            continue
+        outcomes[test_id] = outcome
+    return outcomes
+
+
+def count(outcomes: dict[str, str]) -> dict[str, int]:
+    totals = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for outcome in outcomes.values():
+        totals[outcome] += 1
+    return totals

@@ -1,0 +1,1 @@
+"""Test harness that drives vLLM's real KV cache code on a CPU."""

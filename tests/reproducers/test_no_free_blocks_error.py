@@ -1,0 +1,97 @@
+"""Reproducer for patch 0001: a refused pop is a typed error and changes nothing.
+
+On the unpatched base, FreeKVCacheBlockQueue.popleft_n asserts (seed 000's
+EngineCore crash) and, when the queue's count is larger than its list, it
+unlinks blocks (and the fake tail) before the assertion fires.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+from harness.invariants import assert_pool_ok, pool_snapshot, queue_snapshot
+
+
+def expect_no_free_blocks(fn, requested: int) -> None:
+    """`fn()` must raise NoFreeBlocksError (a ValueError) naming `requested`.
+
+    The name is checked rather than imported so this runs on the base too,
+    where it fails because popleft_n raises AssertionError instead.
+    """
+    with pytest.raises(ValueError) as info:
+        fn()
+    err = info.value
+    assert type(err).__name__ == "NoFreeBlocksError", repr(err)
+    assert err.num_requested == requested
+    assert err.num_free < requested
+
+
+def make_queue(n: int) -> tuple[FreeKVCacheBlockQueue, list[KVCacheBlock]]:
+    blocks = [KVCacheBlock(i) for i in range(n)]
+    return FreeKVCacheBlockQueue(blocks), blocks
+
+
+def test_refused_pop_is_typed_and_changes_nothing():
+    queue, blocks = make_queue(4)
+    queue.remove(blocks[1])
+    before = queue_snapshot(queue)
+    expect_no_free_blocks(lambda: queue.popleft_n(4), 4)
+    assert queue_snapshot(queue) == before
+
+
+def test_pop_from_miscounted_queue_changes_nothing():
+    # The state seed 000 ends in: the count says more blocks are free than
+    # the list links (a block appended twice, a ref count out of balance).
+    queue, _ = make_queue(3)
+    queue.num_free_blocks += 2
+    before = queue_snapshot(queue)
+    expect_no_free_blocks(lambda: queue.popleft_n(4), 4)
+    assert queue_snapshot(queue) == before
+
+
+def test_pool_refusal_is_typed_and_changes_nothing():
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    held = pool.get_new_blocks(5)
+    before = pool_snapshot(pool)
+    expect_no_free_blocks(lambda: pool.get_new_blocks(3), 3)
+    assert pool_snapshot(pool) == before
+    pool.free_blocks(held)
+    assert_pool_ok(pool, all_done=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    size=st.integers(0, 40),
+    removed=st.sets(st.integers(0, 39)),
+    extra=st.integers(1, 5),
+    miscount=st.integers(0, 3),
+)
+def test_random_refusals_leave_queue_unchanged(size, removed, extra, miscount):
+    queue, blocks = make_queue(size)
+    for i in sorted(removed):
+        if i < size:
+            queue.remove(blocks[i])
+    queue.num_free_blocks += miscount
+    before = queue_snapshot(queue)
+    linked = len(before["order"])
+    expect_no_free_blocks(lambda: queue.popleft_n(linked + extra), linked + extra)
+    assert queue_snapshot(queue) == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 40), data=st.data())
+def test_served_pops_take_the_head_in_order(size, data):
+    queue, _ = make_queue(size)
+    n = data.draw(st.integers(0, size))
+    order = queue_snapshot(queue)["order"]
+    popped = queue.popleft_n(n)
+    assert [b.block_id for b in popped] == order[:n]
+    assert all(b.prev_free_block is None and b.next_free_block is None for b in popped)
+    after = queue_snapshot(queue)
+    assert after["problem"] is None
+    assert after["order"] == order[n:]
+    assert after["num_free_blocks"] == size - n
