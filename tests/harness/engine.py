@@ -1,0 +1,482 @@
+"""Drive vLLM's real Scheduler, KVCacheManager and SimpleCPUOffload on a CPU.
+
+Real: Scheduler (with its KVCacheManager, coordinator and BlockPool), the
+SimpleCPUOffloadConnector's scheduler side, and its worker side
+(SimpleCPUOffloadWorker). Fake, because they need a GPU:
+
+- the model runner (FakeModelRunner): keeps block tables from the
+  scheduler's output as a real runner does, "computes" KV by writing a
+  content tag into every block it fills, checks the tag of every block it
+  attends to, and samples one token per finished prefill/decode step;
+- the copy engine (FakeCopyBackend, in place of DmaCopyBackend): copies
+  content tags between the fake GPU and CPU caches, and completes each
+  transfer when the test says (at once, or some steps late).
+
+A content tag names the exact tokens a block holds (the chain of token
+blocks before it, and its own tokens), computed from the request's tokens
+and independent of vLLM's block hashes. A block that is lost, stale or
+misplaced is therefore caught by value when it is read, not by counting.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
+from vllm.v1.structured_output import StructuredOutputManager
+
+MODEL_DIR = Path(__file__).parent / "model"
+NUM_KV_HEADS = 1
+HEAD_SIZE = 16
+DTYPE = torch.float16
+# Bytes one block of one layer takes (K and V): the KV cache page size.
+PAGE_BYTES = 2 * NUM_KV_HEADS * HEAD_SIZE * DTYPE.itemsize
+NULL_BLOCK_ID = 0
+
+init_none_hash(sha256)
+
+
+@dataclass
+class HarnessConfig:
+    block_size: int = 16
+    num_gpu_blocks: int = 64
+    num_cpu_blocks: int = 64
+    # Full attention only, or full attention + sliding window (hybrid).
+    hybrid: bool = False
+    sliding_window: int = 64
+    offload: bool = True
+    lazy: bool = False
+    max_num_batched_tokens: int = 128
+    max_num_seqs: int = 16
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    # Steps after launch at which a transfer completes (0: in the same step).
+    transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
+
+
+def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
+    kv_transfer = None
+    if cfg.offload:
+        # The scheduler side makes (bytes / page size) CPU blocks: the groups
+        # share one tensor, so a block's page is PAGE_BYTES * block_size.
+        kv_transfer = KVTransferConfig(
+            kv_connector="SimpleCPUOffloadConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "cpu_bytes_to_use": cfg.num_cpu_blocks * PAGE_BYTES * cfg.block_size,
+                "lazy_offload": cfg.lazy,
+            },
+        )
+    return VllmConfig(
+        model_config=ModelConfig(
+            model=str(MODEL_DIR),
+            dtype="float16",
+            seed=0,
+            skip_tokenizer_init=True,
+            max_model_len=cfg.max_model_len,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            async_scheduling=False,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=cfg.block_size,
+            enable_prefix_caching=True,
+            gpu_memory_utilization=0.9,
+        ),
+        kv_transfer_config=kv_transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def make_kv_cache_config(cfg: HarnessConfig) -> KVCacheConfig:
+    """One full-attention group, plus a sliding-window group when hybrid.
+
+    As in vLLM's hybrid layout, the groups share one KV cache tensor and
+    one block pool: each block id belongs to one group at a time.
+    """
+    page = PAGE_BYTES * cfg.block_size
+    groups = [
+        KVCacheGroupSpec(
+            ["full.0"],
+            FullAttentionSpec(
+                block_size=cfg.block_size,
+                num_kv_heads=NUM_KV_HEADS,
+                head_size=HEAD_SIZE,
+                dtype=DTYPE,
+            ),
+        )
+    ]
+    if cfg.hybrid:
+        groups.append(
+            KVCacheGroupSpec(
+                ["swa.0"],
+                SlidingWindowSpec(
+                    block_size=cfg.block_size,
+                    num_kv_heads=NUM_KV_HEADS,
+                    head_size=HEAD_SIZE,
+                    dtype=DTYPE,
+                    sliding_window=cfg.sliding_window,
+                ),
+            )
+        )
+    layers = [name for g in groups for name in g.layer_names]
+    return KVCacheConfig(
+        num_blocks=cfg.num_gpu_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(size=page * cfg.num_gpu_blocks, shared_by=layers)
+        ],
+        kv_cache_groups=groups,
+    )
+
+
+class ContentOracle:
+    """The content tag each block of a request must hold."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._chains: dict[str, list[int]] = {}
+
+    def _chain(self, req: Request, upto: int) -> list[int]:
+        chain = self._chains.setdefault(req.request_id, [])
+        tokens, bs = req.all_token_ids, self.block_size
+        while len(chain) < upto:
+            i = len(chain)
+            prev = chain[-1] if chain else 0
+            chain.append(hash((prev, tuple(tokens[i * bs : (i + 1) * bs]))))
+        return chain
+
+    def tag(self, req: Request, group: int, index: int, num_tokens: int) -> tuple:
+        """Tag of block `index` of `req` in `group` holding `num_tokens`."""
+        bs = self.block_size
+        if num_tokens == bs:
+            return ("full", group, self._chain(req, index + 1)[index])
+        prev = self._chain(req, index)[index - 1] if index else 0
+        start = index * bs
+        return (
+            "part",
+            group,
+            prev,
+            tuple(req.all_token_ids[start : start + num_tokens]),
+        )
+
+    def forget(self, req_id: str) -> None:
+        self._chains.pop(req_id, None)
+
+
+@dataclass
+class FakeKV:
+    """The fake GPU and CPU KV caches: block id -> content tag."""
+
+    gpu: dict[int, Any] = field(default_factory=dict)
+    cpu: dict[int, Any] = field(default_factory=dict)
+
+
+class FakeEvent:
+    """A transfer's completion event; copies the data when it completes."""
+
+    def __init__(
+        self, clock: Callable[[], int], ready_at: int, copy: Callable[[], None]
+    ):
+        self._clock, self._ready_at, self._copy = clock, ready_at, copy
+        self.done = False
+
+    def _complete(self) -> None:
+        if not self.done:
+            self.done = True
+            self._copy()
+
+    def query(self) -> bool:
+        if self._clock() >= self._ready_at:
+            self._complete()
+        return self.done
+
+    def synchronize(self) -> None:
+        self._complete()
+
+
+class FakeCopyBackend:
+    """Stands in for DmaCopyBackend: same launch_copy contract, no GPU.
+
+    The copy happens when the transfer completes, so a reader that does not
+    wait for completion sees stale data, and a source block reused before
+    its store completes is copied wrongly.
+    """
+
+    def __init__(
+        self, kv: FakeKV, clock: Callable[[], int], delay: Callable[[bool], int]
+    ):
+        self.kv, self._clock, self._delay = kv, clock, delay
+        self.launched: list[dict[str, Any]] = []
+
+    def launch_copy(
+        self,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        is_store: bool,
+        event_idx: int,
+        events_list: list[tuple[int, Any]],
+        **kwargs: Any,
+    ) -> None:
+        src, dst = (
+            (self.kv.gpu, self.kv.cpu) if is_store else (self.kv.cpu, self.kv.gpu)
+        )
+        pairs = list(zip(src_blocks, dst_blocks, strict=True))
+
+        def copy() -> None:
+            for s, d in pairs:
+                dst[d] = src.get(s)
+
+        self.launched.append(
+            {"is_store": is_store, "event_idx": event_idx, "pairs": pairs, **kwargs}
+        )
+        ready = self._clock() + self._delay(is_store)
+        events_list.append((event_idx, FakeEvent(self._clock, ready, copy)))
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass
+class Violation:
+    step: int
+    req_id: str
+    group: int
+    index: int
+    block_id: int
+    expected: Any
+    got: Any
+
+    def __str__(self) -> str:
+        return (
+            f"step {self.step}: {self.req_id} group {self.group} block "
+            f"#{self.index} (id {self.block_id}) holds {self.got!r}, "
+            f"expected {self.expected!r}"
+        )
+
+
+class FakeModelRunner:
+    """Block tables from the scheduler output; KV as content tags."""
+
+    def __init__(self, cfg: HarnessConfig, kv: FakeKV, requests: dict[str, Request]):
+        self.cfg, self.kv, self.requests = cfg, kv, requests
+        self.oracle = ContentOracle(cfg.block_size)
+        self.tables: dict[str, list[list[int]]] = {}
+        self.violations: list[Violation] = []
+        self.num_groups = 2 if cfg.hybrid else 1
+
+    def _update_tables(self, so: SchedulerOutput) -> dict[str, int]:
+        computed: dict[str, int] = {}
+        for req_id in so.preempted_req_ids or ():
+            self.tables.pop(req_id, None)
+        for req_id in so.finished_req_ids:
+            self.tables.pop(req_id, None)
+            self.oracle.forget(req_id)
+        for new in so.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+            computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                assert new_ids is not None
+                self.tables[req_id] = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    self.tables[req_id][g].extend(ids)
+            computed[req_id] = cached.num_computed_tokens[i]
+        return computed
+
+    def _needed(self, group: int, computed: int) -> range:
+        """Block indices a step starting at `computed` attends to."""
+        bs = self.cfg.block_size
+        if group == 1:  # sliding window
+            first = max(0, computed - (self.cfg.sliding_window - 1)) // bs
+        else:
+            first = 0
+        return range(first, (computed + bs - 1) // bs)
+
+    def execute(self, so: SchedulerOutput, step: int) -> ModelRunnerOutput:
+        computed = self._update_tables(so)
+        bs = self.cfg.block_size
+        req_ids, sampled = [], []
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            c = computed[req_id]
+            table = self.tables[req_id]
+            for g in range(self.num_groups):
+                for i in self._needed(g, c):
+                    bid = table[g][i]
+                    want = self.oracle.tag(req, g, i, min(bs, c - i * bs))
+                    got = self.kv.gpu.get(bid) if bid != NULL_BLOCK_ID else None
+                    if got != want:
+                        self.violations.append(
+                            Violation(step, req_id, g, i, bid, want, got)
+                        )
+                for i in range(c // bs, (c + n - 1) // bs + 1):
+                    bid = table[g][i]
+                    if bid != NULL_BLOCK_ID:
+                        self.kv.gpu[bid] = self.oracle.tag(
+                            req, g, i, min(bs, c + n - i * bs)
+                        )
+            req_ids.append(req_id)
+            done_prefill = c + n >= req.num_tokens
+            sampled.append(
+                [hash((req_id, req.num_tokens)) % 1000 + 3] if done_prefill else []
+            )
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+
+@dataclass
+class StepStats:
+    steps: int = 0
+    preemptions: int = 0
+    finished: set[str] = field(default_factory=set)
+    aborted: set[str] = field(default_factory=set)
+
+
+class Engine:
+    """A scheduler step loop with the fake runner and the real offload worker."""
+
+    def __init__(self, cfg: HarnessConfig | None = None):
+        self.cfg = cfg or HarnessConfig()
+        self.vllm_config = make_vllm_config(self.cfg)
+        self.vllm_config.cache_config.num_gpu_blocks = self.cfg.num_gpu_blocks
+        self.kv_cache_config = make_kv_cache_config(self.cfg)
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=self.cfg.block_size,
+            log_stats=False,
+        )
+        self.kv = FakeKV()
+        self.stats = StepStats()
+        self.requests: dict[str, Request] = {}
+        self.runner = FakeModelRunner(self.cfg, self.kv, self.requests)
+        self.block_hasher = get_request_block_hasher(self.cfg.block_size, sha256)
+        self.copy_backend: FakeCopyBackend | None = None
+        self.worker: SimpleCPUOffloadWorker | None = None
+        if self.cfg.offload:
+            self.worker = SimpleCPUOffloadWorker(
+                self.vllm_config, self.kv_cache_config, cpu_capacity_bytes=0
+            )
+            self.copy_backend = FakeCopyBackend(
+                self.kv, lambda: self.stats.steps, self.cfg.transfer_delay
+            )
+            self.worker._backend = self.copy_backend  # type: ignore[assignment]
+        self._ids = itertools.count()
+
+    # --- handles on the real objects -------------------------------------
+    @property
+    def block_pool(self):
+        return self.scheduler.kv_cache_manager.block_pool
+
+    @property
+    def offload(self):
+        """The connector's scheduler-side SimpleCPUOffloadScheduler."""
+        connector = self.scheduler.connector
+        return connector.scheduler_manager if connector is not None else None
+
+    # --- requests ---------------------------------------------------------
+    def add_request(
+        self, prompt: list[int], max_tokens: int = 1, req_id: str | None = None
+    ) -> str:
+        req_id = req_id or f"r{next(self._ids)}"
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=self.block_hasher,
+        )
+        self.requests[req_id] = req
+        self.scheduler.add_request(req)
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+        self.stats.aborted.add(req_id)
+
+    # --- stepping -----------------------------------------------------------
+    def step(self) -> SchedulerOutput:
+        so = self.scheduler.schedule()
+        self.stats.preemptions += len(so.preempted_req_ids or ())
+        out = self.runner.execute(so, self.stats.steps)
+        if self.worker is not None:
+            meta = so.kv_connector_metadata
+            self.worker.handle_preemptions(meta)
+            self.worker.bind_connector_metadata(meta)
+            _, finished_recving = self.worker.get_finished(so.finished_req_ids)
+            out.kv_connector_output = KVConnectorOutput(
+                finished_recving=finished_recving,
+                kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+            )
+            self.worker.clear_connector_metadata()
+        self.stats.steps += 1
+        for outputs in self.scheduler.update_from_output(so, out).values():
+            for o in outputs.outputs:
+                if o.finish_reason is not None:
+                    self.stats.finished.add(o.request_id)
+        return so
+
+    def busy(self) -> bool:
+        """Requests in flight, or offload transfers not yet completed."""
+        if self.scheduler.has_requests():
+            return True
+        off = self.offload
+        return off is not None and bool(off._store_event_to_blocks or off._reqs_to_load)
+
+    def run(
+        self,
+        max_steps: int = 10_000,
+        after_step: Callable[[Engine], None] | None = None,
+    ) -> int:
+        """Step until everything finished and every transfer completed."""
+        start = self.stats.steps
+        while self.busy():
+            if self.stats.steps - start >= max_steps:
+                raise AssertionError(
+                    f"not done after {max_steps} steps: "
+                    f"{len(self.scheduler.running)} running, "
+                    f"{len(self.scheduler.waiting)} waiting"
+                )
+            self.step()
+            if after_step is not None:
+                after_step(self)
+        return self.stats.steps - start
