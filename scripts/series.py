@@ -38,7 +38,10 @@ class Base:
     def to_toml(self) -> str:
         lines = ["# Pinned upstream base of this patch series (see README.md)."]
         for key in BASE_KEYS:
-            lines.append(f'{key} = "{getattr(self, key)}"')
+            value = getattr(self, key) or (
+                f"v{self.version}" if key == "git_ref" else ""
+            )
+            lines.append(f'{key} = "{value}"')
         return "\n".join(lines) + "\n"
 
 
