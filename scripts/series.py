@@ -27,8 +27,14 @@ class Base:
 
     @property
     def tag(self) -> str:
-        """Tag of the imported upstream commit."""
+        """Name of the imported upstream commit: a tag in the cache repository;
+        in a tree, refs/remotes/<tag>, so `git describe` (setuptools-scm) does
+        not take it for the package version."""
         return f"upstream/v{self.version}"
+
+    @property
+    def tree_ref(self) -> str:
+        return f"refs/remotes/{self.tag}"
 
     @property
     def branch(self) -> str:
