@@ -13,6 +13,7 @@ in the series are kept on a backup/ branch before the branch is rebuilt.
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -37,6 +38,8 @@ from fetch import ensure_base
 from series import Base, Series
 
 MANAGED_KEY = "vllm-fork.managed"
+# `make rebase` keeps its state here, in the tree's git directory.
+REBASE_STATE = "vllm-fork-rebase.json"
 OVERLAY_SUBJECT = "fork: overlay"
 FINGERPRINT_TRAILER = "Series-Fingerprint"
 
@@ -88,7 +91,25 @@ def fetch_base(tree: Path, base: Base, upstream: Path) -> None:
     )
 
 
+def rebase_in_progress(tree: Path) -> str | None:
+    """The version a `make rebase` in the tree is moving to, if one is."""
+    state = Path(git(tree, "rev-parse", "--absolute-git-dir")) / REBASE_STATE
+    if not state.is_file():
+        return None
+    try:
+        return json.loads(state.read_text())["new_base"]["version"]
+    except (ValueError, KeyError):
+        return "?"
+
+
 def check_clean(tree: Path) -> None:
+    moving_to = rebase_in_progress(tree)
+    if moving_to:
+        raise ForkError(
+            f"{rel(tree)}/ is in the middle of `make rebase` onto {moving_to}. "
+            "Finish it (resolve, then `make rebase-continue`) or undo it "
+            "(`make rebase-abort`)."
+        )
     op = operation_in_progress(tree)
     if op:
         raise ForkError(
@@ -212,6 +233,31 @@ def conflict_error(tree: Path, base: Base, patches: list) -> ForkError:
     )
 
 
+def git_am(tree: Path, patch_files: list[Path], three_way: bool = True):
+    """`git am` the patch files onto HEAD the way the series is built: the
+    tool's committer identity and dates taken from the patches, so the same
+    patches on the same base give the same commit ids everywhere. Returns
+    the finished process; on failure the am is left in progress."""
+    return run(
+        [
+            "git",
+            "-C",
+            tree,
+            "-c",
+            "commit.gpgsign=false",
+            "am",
+            "-q",
+            *(["-3"] if three_way else []),
+            "--keep-non-patch",
+            "--committer-date-is-author-date",
+            *patch_files,
+        ],
+        # LC_ALL=C: callers read git's messages (rerere's, for one).
+        env={**tool_identity_env(), "LC_ALL": "C"},
+        check=False,
+    )
+
+
 def lay_overlay(tree: Path, series: Series, fingerprint: str, date: str) -> None:
     files = series.overlay_files()
     for f in files:
@@ -241,7 +287,7 @@ def apply_series(
     series: Series,
     tree: Path = DEFAULT_TREE,
     cache: Path = CACHE,
-    source: str = "sdist",
+    source: str | None = None,
 ) -> bool:
     """Build `tree` from `series`. Returns False when it was already up to date."""
     base = series.base()
@@ -268,24 +314,7 @@ def apply_series(
     if patches:
         for i, p in enumerate(patches, 1):
             say(f"    [{i}/{len(patches)}] {p.name}")
-        am = run(
-            [
-                "git",
-                "-C",
-                tree,
-                "-c",
-                "commit.gpgsign=false",
-                "am",
-                "-q",
-                "-3",
-                "--keep-non-patch",
-                "--committer-date-is-author-date",
-                *[p.path for p in patches],
-            ],
-            env=tool_identity_env(),
-            check=False,
-        )
-        if am.returncode != 0:
+        if git_am(tree, [p.path for p in patches]).returncode != 0:
             raise conflict_error(tree, base, patches)
     date = git(tree, "log", "-1", "--format=%ad", "--date=raw")
     lay_overlay(tree, series, fingerprint, date)
@@ -299,17 +328,23 @@ def apply_series(
     return True
 
 
-def checkout_base(series: Series, tree: Path, cache: Path = CACHE) -> None:
-    """Make `tree` a checkout of the series' bare upstream base (no patches)."""
-    base = series.base()
+def checkout_release(
+    base: Base, base_file: Path, tree: Path, cache: Path = CACHE
+) -> None:
+    """Make `tree` a detached checkout of the bare upstream release `base`."""
     init_tree(tree)
     check_clean(tree)
     if git(tree, "rev-parse", "HEAD", check=False) == git(
         tree, "rev-parse", f"{base.tag}^{{commit}}", check=False
     ):
         return
-    fetch_base(tree, base, ensure_base(base, series.base_file, cache))
+    fetch_base(tree, base, ensure_base(base, base_file, cache))
     git(tree, "checkout", "-q", "--detach", base.tag)
+
+
+def checkout_base(series: Series, tree: Path, cache: Path = CACHE) -> None:
+    """Make `tree` a checkout of the series' bare upstream base (no patches)."""
+    checkout_release(series.base(), series.base_file, tree, cache)
 
 
 def main() -> int:
@@ -329,8 +364,7 @@ def main() -> int:
     p.add_argument(
         "--source",
         choices=("sdist", "git"),
-        default="sdist",
-        help="where the upstream base comes from (default: sdist)",
+        help="where the upstream base comes from (default: what base.toml pins)",
     )
     args = p.parse_args()
     apply_series(Series(args.series.resolve()), args.tree.resolve(), source=args.source)

@@ -142,28 +142,58 @@ def import_sdist(base: Base, sdist: Path, repo: Path) -> str:
         return _import_tree(repo, src, message, date)
 
 
-def import_git(base: Base, repo: Path) -> str:
-    """Alternative source: upstream's own repository at base.git_ref."""
-    say(f"    fetching {base.git_url} {base.git_ref}")
-    run(["git", "-C", repo, "fetch", "-q", "--depth", "1", base.git_url, base.git_ref])
+def fetch_git_commit(url: str, ref: str, repo: Path) -> str:
+    """Fetch `ref` of the git repository at `url` into `repo`; its commit id."""
+    say(f"    fetching {url} {ref}")
+    run(["git", "-C", repo, "fetch", "-q", "--depth", "1", url, ref])
     return git(repo, "rev-parse", "FETCH_HEAD^{commit}")
 
 
+def import_git(base: Base, repo: Path) -> str:
+    """Alternative source: upstream's own repository at base.git_ref.
+
+    Imported like an sdist, as a root commit with the tool's identity (the
+    fetched commit's tree and date), so trees never depend on a shallow
+    history and the same ref gives the same commit id everywhere."""
+    commit = fetch_git_commit(base.git_url, base.git_ref, repo)
+    if base.git_commit and commit != base.git_commit:
+        raise ForkError(
+            f"{base.git_url} {base.git_ref} is now {commit}, not the pinned "
+            f"git_commit {base.git_commit}. Pin the new commit if that is intended."
+        )
+    date = git(repo, "log", "-1", "--format=%ct +0000", commit)
+    message = (
+        f"Import upstream vLLM {base.version}\n\n"
+        f"From {base.git_url} {base.git_ref}, commit {commit}\n"
+    )
+    return git(
+        repo,
+        "commit-tree",
+        f"{commit}^{{tree}}",
+        "-m",
+        message,
+        env=tool_identity_env(date),
+    )
+
+
 def ensure_base(
-    base: Base, base_file: Path, cache: Path = CACHE, source: str = "sdist"
+    base: Base, base_file: Path, cache: Path = CACHE, source: str | None = None
 ) -> Path:
-    """Make sure upstream/v<version> exists in the cache repo; return the repo."""
+    """Make sure upstream/v<version> exists in the cache repo; return the repo.
+
+    `source` defaults to where the base is pinned: its sdist, or its git
+    commit for a base made from a git ref."""
+    source = source or base.source
+    if source == "sdist" and not base.sdist_url:
+        raise ForkError(f"{rel(base_file)} pins a git commit, not an sdist")
     repo = upstream_repo(cache)
     if git_ok(repo, "rev-parse", "-q", "--verify", f"refs/tags/{base.tag}"):
         message = git(repo, "log", "-1", "--format=%B", base.tag)
-        if (
-            source == "sdist"
-            and "sha256" in message
-            and base.sdist_sha256 not in message
-        ):
+        expected = base.sdist_sha256 if source == "sdist" else base.git_commit
+        if expected and expected not in message:
             raise ForkError(
-                f"{rel(repo)} holds {base.tag} imported from another sdist than the "
-                f"one pinned in {rel(base_file)} ({base.sdist_sha256[:12]}...).\n"
+                f"{rel(repo)} holds {base.tag} imported from another source than "
+                f"the one pinned in {rel(base_file)} ({expected[:12]}...).\n"
                 f"Delete the tag (git -C {rel(repo)} tag -d {base.tag}) to re-import."
             )
         return repo
@@ -175,6 +205,12 @@ def ensure_base(
     git(repo, "tag", base.tag, commit)
     say(f"    {base.tag} = {commit[:12]}")
     return repo
+
+
+def resolve_git(url: str, ref: str, version: str, cache: Path = CACHE) -> Base:
+    """A base made from a git ref: the commit it names now becomes the pin."""
+    commit = fetch_git_commit(url, ref, upstream_repo(cache))
+    return Base(version=version, git_url=url, git_ref=ref, git_commit=commit)
 
 
 def resolve_release(version: str) -> Base:
@@ -210,8 +246,8 @@ def main() -> int:
     p.add_argument(
         "--source",
         choices=("sdist", "git"),
-        default="sdist",
-        help="import the sdist from PyPI (default) or upstream's git",
+        help="import the sdist from PyPI or upstream's git (default: what "
+        "base.toml pins)",
     )
     p.add_argument(
         "--print-base",

@@ -11,7 +11,10 @@ from pathlib import Path
 from common import OVERLAY, ForkError, rel
 
 BASE_FILE = "base.toml"
-BASE_KEYS = ("version", "sdist_url", "sdist_sha256", "git_url", "git_ref")
+BASE_KEYS = ("version", "sdist_url", "sdist_sha256", "git_url", "git_ref", "git_commit")
+# Written only when set: a base comes from a release's sdist (sdist_url and
+# sdist_sha256 pin it) or from a git ref (git_commit pins it).
+OPTIONAL_KEYS = ("sdist_url", "sdist_sha256", "git_commit")
 TRAILER_RE = re.compile(r"^([A-Za-z][A-Za-z0-9-]*): (.+)$")
 
 
@@ -20,10 +23,21 @@ class Base:
     """Where the upstream release of a series comes from, and its checksum."""
 
     version: str
-    sdist_url: str
-    sdist_sha256: str
+    sdist_url: str = ""
+    sdist_sha256: str = ""
     git_url: str = "https://github.com/vllm-project/vllm.git"
     git_ref: str = ""
+    git_commit: str = ""
+
+    @property
+    def source(self) -> str:
+        """Where the release comes from: "sdist" (PyPI) or "git" (a ref)."""
+        return "sdist" if self.sdist_url else "git"
+
+    @property
+    def pin(self) -> str:
+        """What identifies the exact source: the sdist's sha256 or the commit."""
+        return self.sdist_sha256 or self.git_commit
 
     @property
     def tag(self) -> str:
@@ -47,7 +61,8 @@ class Base:
             value = getattr(self, key) or (
                 f"v{self.version}" if key == "git_ref" else ""
             )
-            lines.append(f'{key} = "{value}"')
+            if value or key not in OPTIONAL_KEYS:
+                lines.append(f'{key} = "{value}"')
         return "\n".join(lines) + "\n"
 
 
@@ -58,14 +73,21 @@ def read_base(path: Path) -> Base:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ForkError(f"{rel(path)} is not valid TOML: {e}") from e
-    missing = [k for k in ("version", "sdist_url", "sdist_sha256") if k not in data]
+    pins = ("git_commit",) if "git_commit" in data else ("sdist_url", "sdist_sha256")
+    missing = [k for k in ("version", *pins) if k not in data]
     if missing:
         raise ForkError(f"{rel(path)} lacks {', '.join(missing)}")
     unknown = sorted(set(data) - set(BASE_KEYS))
     if unknown:
         raise ForkError(f"{rel(path)} has unknown keys: {', '.join(unknown)}")
-    if not re.fullmatch(r"[0-9a-f]{64}", data["sdist_sha256"]):
+    if "sdist_sha256" in data and not re.fullmatch(
+        r"[0-9a-f]{64}", data["sdist_sha256"]
+    ):
         raise ForkError(f"{rel(path)}: sdist_sha256 must be 64 lowercase hex digits")
+    if "git_commit" in data and not re.fullmatch(r"[0-9a-f]{40}", data["git_commit"]):
+        raise ForkError(f"{rel(path)}: git_commit must be 40 lowercase hex digits")
+    data.setdefault("sdist_url", "")
+    data.setdefault("sdist_sha256", "")
     data.setdefault("git_ref", f"v{data['version']}")
     return Base(**data)
 
@@ -132,7 +154,7 @@ class Series:
     def fingerprint(self) -> str:
         """Digest of everything `apply` builds from: base, patches, overlay."""
         h = hashlib.sha256()
-        h.update(self.base().sdist_sha256.encode())
+        h.update(self.base().pin.encode())
         for p in self.patches():
             h.update(b"\0patch\0" + p.name.encode() + b"\0" + p.path.read_bytes())
         for f in self.overlay_files():

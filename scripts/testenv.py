@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import ROOT, WORK, run
@@ -85,27 +86,51 @@ def run_pytest(
     return proc.returncode
 
 
-def read_junit(path: Path) -> dict[str, str]:
-    """Map test id (file::name) to passed / failed / error / skipped."""
-    outcomes: dict[str, str] = {}
+def read_junit_details(path: Path) -> dict[str, tuple[str, str]]:
+    """Map test id (file::name) to (outcome, message): outcome is passed /
+    failed / error / skipped, message the failure's first line ("" if none).
+    A collection error appears under the module's id (file::)."""
+    results: dict[str, tuple[str, str]] = {}
     if not path.exists():
-        return outcomes
+        return results
     for case in ET.parse(path).getroot().iter("testcase"):
         classname = case.get("classname", "")
         file = case.get("file") or classname.replace(".", "/") + ".py"
         module = file.removesuffix(".py").replace("/", ".")
         cls = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
         test_id = "::".join(filter(None, [file, cls, case.get("name")]))
-        outcome = "passed"
+        if not classname:
+            test_id = file  # the module itself: it failed or skipped collection
+        outcome, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                message = _first_line(child)
                 break
         # A test that passes but errors in teardown appears twice: keep the worst.
-        if outcomes.get(test_id) in ("failed", "error"):
+        if results.get(test_id, ("",))[0] in ("failed", "error"):
             continue
-        outcomes[test_id] = outcome
-    return outcomes
+        results[test_id] = (outcome, message)
+    return results
+
+
+def _first_line(child: ET.Element) -> str:
+    """What went wrong, in one line: pytest's message, or for a collection
+    error (message "collection failure") the last `E   ` line of the report."""
+    message = (child.get("message") or "").strip()
+    if message in ("", "collection failure"):
+        e_lines = [
+            line[1:].strip()
+            for line in (child.text or "").splitlines()
+            if line.startswith("E ")
+        ]
+        message = e_lines[-1] if e_lines else message
+    return message.splitlines()[0] if message else ""
+
+
+def read_junit(path: Path) -> dict[str, str]:
+    """Map test id (file::name) to passed / failed / error / skipped."""
+    return {t: o for t, (o, _) in read_junit_details(path).items()}
 
 
 def count(outcomes: dict[str, str]) -> dict[str, int]:
@@ -113,3 +138,62 @@ def count(outcomes: dict[str, str]) -> dict[str, int]:
     for outcome in outcomes.values():
         totals[outcome] += 1
     return totals
+
+
+# A reproducer that fails with one of these did not get to the behaviour it
+# checks (a name it uses is gone or changed): no verdict on the bug.
+BROKEN_TYPES = {
+    "ImportError",
+    "ModuleNotFoundError",
+    "AttributeError",
+    "NameError",
+    "TypeError",
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A reproducer on a bare release: "fails" (the bug is there), "passes"
+    (fixed), "broken" (could not exercise it: see message) or "not run"."""
+
+    state: str
+    message: str = ""
+
+
+def exception_type(message: str) -> str:
+    return message.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+
+
+def reproducer_verdicts(
+    python: Path, tree: Path, test_ids: list[str], cwd: Path, junit: Path, log: Path
+) -> dict[str, Verdict]:
+    """Run the files holding `test_ids` (relative to `cwd`) against `tree`."""
+    files = sorted({t.split("::")[0] for t in test_ids})
+    present = [f for f in files if (cwd / f).is_file()]
+    results: dict[str, tuple[str, str]] = {}
+    if present:
+        junit.unlink(missing_ok=True)
+        run_pytest(python, tree, cwd, junit, present, log)
+        results = read_junit_details(junit)
+    verdicts = {}
+    for test_id in test_ids:
+        file = test_id.split("::")[0]
+        if file not in present:
+            verdicts[test_id] = Verdict("not run", f"{file} does not exist")
+        elif test_id in results:
+            outcome, message = results[test_id]
+            if outcome == "passed":
+                verdicts[test_id] = Verdict("passes")
+            elif outcome == "failed" and exception_type(message) not in BROKEN_TYPES:
+                verdicts[test_id] = Verdict("fails", message)
+            elif outcome == "skipped":
+                verdicts[test_id] = Verdict("not run", f"skipped: {message}")
+            else:
+                verdicts[test_id] = Verdict("broken", message)
+        elif file in results:
+            verdicts[test_id] = Verdict("broken", results[file][1])
+        else:
+            verdicts[test_id] = Verdict(
+                "not run", f"not collected: see {log}" if results else f"see {log}"
+            )
+    return verdicts

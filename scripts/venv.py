@@ -13,13 +13,25 @@ uses the torch version the base release pins).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 
-from common import ROOT, ForkError, main_guard, parser, rel, run, step
+from common import ROOT, WORK, ForkError, main_guard, parser, rel, run, say, step
 
 VENV = Path(os.environ.get("VLLM_FORK_VENV", ROOT / ".venv"))
+# Test environments for releases whose requirements .venv does not meet.
+RELEASE_VENVS = WORK / "venvs"
+# Requirements of some release that no package on PyPI can meet, and what is
+# installed instead. Only what upstream's scheduler tests do not exercise.
+RELAXED = {
+    # 0.33.0 asks certifi>=2026.10.19; the newest on PyPI is 2026.10.18.
+    # certifi is only the CA bundle: no test here opens a TLS connection.
+    "certifi": "certifi",
+}
 DEFAULT_TORCH = "torch==2.13.0"
 # What vLLM's pyproject.toml asks of a build, minus cmake/ninja (no kernels
 # are compiled here: VLLM_TARGET_DEVICE=empty or VLLM_USE_PRECOMPILED=1).
@@ -42,6 +54,23 @@ TEST_REQS = [
 
 def python(venv: Path = VENV) -> Path:
     return venv / "bin" / "python"
+
+
+def requirement_name(line: str) -> str:
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", line)
+    return re.sub(r"[-_.]+", "-", m.group(1)).lower() if m else ""
+
+
+def adapted_requirements(common_txt: Path) -> str:
+    """A release's requirements/common.txt with the RELAXED lines replaced."""
+    lines = []
+    for line in common_txt.read_text().splitlines():
+        name = requirement_name(line.split("#", 1)[0])
+        if name in RELAXED:
+            lines.append(f"{RELAXED[name]}  # relaxed by vllm-fork: {line.strip()}")
+        else:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
 
 
 def _stamp_ok(venv: Path, level: str, reqs: list[str]) -> tuple[Path, str, bool]:
@@ -81,21 +110,70 @@ def ensure_venv(
     if level == "test":
         if common_txt is None or not common_txt.is_file():
             raise ForkError("the test environment needs vLLM's requirements/common.txt")
-        reqs += [*TEST_REQS, common_txt.read_text()]
+        reqs += [*TEST_REQS, adapted_requirements(common_txt)]
     stamp, digest, ok = _stamp_ok(venv, level, reqs)
     if ok:
         return python(venv)
     if not python(venv).exists():
         step(f"creating {rel(venv)} ({sys.executable})")
-        run([sys.executable, "-m", "venv", venv])
+        # -I: not scripts/venv.py, whatever the current directory.
+        run([sys.executable, "-I", "-m", "venv", venv])
         pip_install(venv, ["-q", "--upgrade", "pip"])
     step(f"installing the {level} requirements into {rel(venv)} (a few minutes once)")
     pip_install(venv, ["-q", torch, *BUILD_REQS])
     if level == "test":
-        assert common_txt is not None
-        pip_install(venv, ["-q", *TEST_REQS, "-r", common_txt])
+        req_file = venv / "fork-requirements.txt"
+        req_file.write_text(reqs[-1])
+        pip_install(venv, ["-q", *TEST_REQS, "-r", req_file])
     stamp.write_text(digest)
     return python(venv)
+
+
+def satisfies(python_bin: Path, common_txt: Path) -> bool:
+    """Whether an environment already meets a release's requirements: pip
+    resolves them against what is installed, offline, and installs nothing."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as req:
+        req.write(adapted_requirements(common_txt))
+        req.flush()
+        proc = run(
+            [
+                python_bin,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--no-index",
+                "--quiet",
+                "--report",
+                "-",
+                "-r",
+                req.name,
+            ],
+            check=False,
+        )
+    if proc.returncode != 0:
+        return False
+    try:
+        return not json.loads(proc.stdout).get("install")
+    except json.JSONDecodeError:
+        return False
+
+
+def release_venv(version: str, common_txt: Path) -> Path:
+    """The python of a test environment that meets a release's requirements.
+
+    .venv when it does, else an environment under .work/venvs/ that already
+    does (releases close together share one), else a new
+    .work/venvs/vllm-<version>. Releases pin different versions (0.19.0
+    wants transformers<5, 0.24.0 and later compressed-tensors 0.17.0...), so
+    one environment cannot meet them all."""
+    candidates = [VENV, *sorted(p for p in RELEASE_VENVS.glob("*") if p.is_dir())]
+    for venv in candidates:
+        if (venv / ".fork-test.stamp").exists() and satisfies(python(venv), common_txt):
+            return python(venv)
+    target = RELEASE_VENVS / f"vllm-{version}"
+    say(f"    {version}: no test environment meets its requirements; {rel(target)}")
+    return ensure_venv("test", common_txt, venv=target)
 
 
 def main() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import subprocess
@@ -25,9 +26,14 @@ UPSTREAM_FILES = {
 
 
 def make_sdist(dest: Path, version: str, files: dict[str, str]) -> Path:
-    """A tarball shaped like upstream's sdist: one top folder vllm-<version>."""
+    """A tarball shaped like upstream's sdist: one top folder vllm-<version>.
+    Byte-stable (fixed mtimes, gzip header included): same files, same sha256."""
     path = dest / f"vllm-{version}.tar.gz"
-    with tarfile.open(path, "w:gz") as tar:
+    with (
+        open(path, "wb") as raw,
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
+        tarfile.open(fileobj=gz, mode="w") as tar,
+    ):
         for name, text in sorted(files.items()):
             data = text.encode()
             info = tarfile.TarInfo(f"vllm-{version}/{name}")
@@ -59,6 +65,26 @@ class Upstream:
         file.write_text(text)
         git(self.tree, "add", path)
         git(self.tree, "commit", "-q", "-m", message)
+
+    def add_patch(self, path: str, text: str, message: str) -> None:
+        """Make a patch the way a developer does: commit in the tree, refresh."""
+        from apply import apply_series
+        from refresh import refresh_series
+
+        apply_series(self.series, self.tree, self.cache)
+        self.commit_in_tree(path, text, message)
+        refresh_series(self.series, self.tree)
+        apply_series(self.series, self.tree, self.cache)
+
+    def release(self, version: str, changes: dict[str, str | None]) -> Base:
+        """Another upstream release: this one's files with `changes` (None
+        removes a file), as an sdist next to the first."""
+        files = {**UPSTREAM_FILES, **changes}
+        files = {k: v for k, v in files.items() if v is not None}
+        sdist = make_sdist(self.sdist.parent, version, files)
+        return Base(
+            version=version, sdist_url=sdist.as_uri(), sdist_sha256=sha256(sdist)
+        )
 
 
 @pytest.fixture

@@ -1,0 +1,894 @@
+#!/usr/bin/env python3
+"""Move a patch series onto another upstream release (`make rebase`).
+
+  make rebase BASE=0.33.0                 a release, looked up on PyPI
+  make rebase BASE=<ref> VERSION=0.34.0   a git ref of GIT_URL (default: the
+                                          series' git_url)
+  make rebase-continue                    after resolving a conflict
+  make rebase-abort                       give up; everything as it was
+
+The new release is imported and checked out bare (.work/v<new>/base), each
+patch's reproducers are run on it, and the series is replayed in the tree
+(default vllm/, branch fork/v<new>), patch by patch. Every patch ends in
+exactly one state:
+
+  clean     applies to the new release as it is
+  merged    applies with a three-way merge, a recorded resolution, or one
+            you made by hand
+  upstream  dropped: its reproducers all pass on the bare new release (the
+            bug is fixed there, whatever the code), or its change is already
+            there (reverse-applies, or the merge leaves nothing to commit)
+  conflict  stops: the tree is left mid-`git am` for you to resolve
+
+Conflicts are recorded with git rerere. Their resolutions are stored with
+the new series (INTO/resolutions/) and seeded into the tree before the next
+replay, so a conflict resolved once is resolved the same way next time.
+
+Nothing in INTO (default patches/v<new>/) or SERIES changes until every
+patch is through; then INTO receives base.toml, the patches, resolutions/
+and REBASE.md (the table: where each patch of the old series went), and the
+tree is rebuilt from INTO as `make apply` would. The rebase state is kept in
+the tree's .git directory (vllm-fork-rebase.json, with a copy of the
+patches), so the series directory may change meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from apply import (
+    REBASE_STATE,
+    apply_series,
+    check_clean,
+    checkout_release,
+    fetch_base,
+    git_am,
+    init_tree,
+    keep_user_work,
+)
+from common import (
+    CACHE,
+    DEFAULT_SERIES,
+    DEFAULT_TREE,
+    OVERLAY,
+    ROOT,
+    WORK,
+    ForkError,
+    git,
+    git_ok,
+    main_guard,
+    parser,
+    rel,
+    run,
+    say,
+    step,
+    tool_identity_env,
+)
+from fetch import ensure_base, resolve_git, resolve_release
+from refresh import format_patches
+from series import BASE_FILE, Base, Series
+from testenv import Verdict, reproducer_verdicts
+
+CLEAN, MERGED, UPSTREAM, CONFLICT, PENDING = (
+    "clean",
+    "merged",
+    "upstream",
+    "conflict",
+    "pending",
+)
+OLD_SERIES_REF = "refs/vllm-fork/old-series"
+SNAPSHOT = "vllm-fork-rebase"  # in the tree's .git: the patches being replayed
+RESOLUTIONS = "resolutions"
+REPORT = "REBASE.md"
+LOGS = WORK / "logs"
+VERSION_RE = re.compile(r"v?(\d+\.\d+\.\d+(?:(?:\.post|\.dev|rc|a|b)\d+)*)")
+
+
+@dataclass
+class Outcome:
+    """What happened to one patch."""
+
+    state: str
+    detail: str
+    files: list[str] = field(default_factory=list)
+    conflict_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Entry:
+    """One patch of the series being moved, and where it stands."""
+
+    name: str
+    subject: str
+    reproducers: list[str]
+    state: str = PENDING
+    detail: str = ""
+    files: list[str] = field(default_factory=list)
+    conflict_ids: list[str] = field(default_factory=list)
+    new_name: str = ""
+
+
+@dataclass
+class State:
+    """A rebase in progress, as saved in <tree>/.git/vllm-fork-rebase.json."""
+
+    tree: str
+    series: str
+    into: str
+    overlay: str
+    cache: str
+    old_base: dict
+    new_base: dict
+    orig_ref: str  # the branch checked out before, or "" if detached
+    orig_commit: str
+    branch_before: str  # fork/v<new> before the rebase, "" if there was none
+    verdicts: dict[str, list[str]]  # reproducer id -> [state, message]
+    patches: list[Entry]
+    stopped_at: int = -1
+    stopped_head: str = ""
+    started: float = 0.0
+
+    @property
+    def new(self) -> Base:
+        return Base(**self.new_base)
+
+    @property
+    def old(self) -> Base:
+        return Base(**self.old_base)
+
+    @property
+    def tree_path(self) -> Path:
+        return Path(self.tree)
+
+    def patch_file(self, entry: Entry) -> Path:
+        return gitdir(self.tree_path) / SNAPSHOT / entry.name
+
+    def save(self) -> None:
+        state_file(self.tree_path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, tree: Path) -> State:
+        path = state_file(tree)
+        if not path.is_file():
+            raise ForkError(
+                f"no rebase is in progress in {rel(tree)}/ "
+                f"(no {rel(path)}); start one with make rebase BASE=<release>"
+            )
+        data = json.loads(path.read_text())
+        data["patches"] = [Entry(**e) for e in data["patches"]]
+        return cls(**data)
+
+
+def gitdir(tree: Path) -> Path:
+    return Path(git(tree, "rev-parse", "--absolute-git-dir"))
+
+
+def state_file(tree: Path) -> Path:
+    return gitdir(tree) / REBASE_STATE
+
+
+def head(tree: Path) -> str:
+    return git(tree, "rev-parse", "HEAD")
+
+
+# --- rerere: recorded conflict resolutions -----------------------------------
+
+
+def resolution_files(entry_dir: Path) -> list[Path]:
+    """The files rerere needs to replay a resolution: pre- and postimages."""
+    return sorted(
+        p for p in entry_dir.iterdir() if p.name.startswith(("preimage", "postimage"))
+    )
+
+
+def seed_resolutions(tree: Path, sources: list[Path], mtime: float) -> int:
+    """Turn rerere on in the tree and give it the recorded resolutions.
+
+    An entry the tree already has is kept: it may be a resolution made here
+    after the recorded one, and it is never overwritten. The copies are dated
+    `mtime` (before the rebase started): rerere touches the postimage of a
+    resolution it replays, which is how `used_resolutions` finds them."""
+    git(tree, "config", "rerere.enabled", "true")
+    git(tree, "config", "rerere.autoupdate", "true")
+    cache = gitdir(tree) / "rr-cache"
+    seeded = 0
+    for source in sources:
+        if not source.is_dir():
+            continue
+        for entry in sorted(p for p in source.iterdir() if p.is_dir()):
+            dest = cache / entry.name
+            if (dest / "postimage").exists():
+                continue
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in resolution_files(entry):
+                shutil.copyfile(f, dest / f.name)
+                os.utime(dest / f.name, (mtime, mtime))
+            seeded += 1
+    return seeded
+
+
+def used_resolutions(tree: Path, since: float) -> list[str]:
+    """Resolutions recorded or replayed since `since`."""
+    cache = gitdir(tree) / "rr-cache"
+    if not cache.is_dir():
+        return []
+    return sorted(
+        entry.name
+        for entry in cache.iterdir()
+        if any(p.stat().st_mtime >= since for p in entry.glob("postimage*"))
+    )
+
+
+def conflict_ids(tree: Path) -> list[str]:
+    """rerere's ids of the conflicts in the tree now (from .git/MERGE_RR)."""
+    merge_rr = gitdir(tree) / "MERGE_RR"
+    if not merge_rr.exists():
+        return []
+    ids = []
+    for item in merge_rr.read_text().split("\0"):
+        if "\t" in item:
+            ids.append(item.split("\t", 1)[0])
+    return sorted(set(ids))
+
+
+def has_resolution(tree: Path, conflict_id: str) -> bool:
+    return (gitdir(tree) / "rr-cache" / conflict_id / "postimage").exists()
+
+
+def save_resolutions(tree: Path, ids: list[str], dest: Path) -> list[str]:
+    """Copy the tree's resolutions of `ids` to dest/<id>/; the ids copied."""
+    saved = []
+    for conflict_id in sorted(set(ids)):
+        src = gitdir(tree) / "rr-cache" / conflict_id
+        if not (src / "postimage").exists():
+            continue
+        (dest / conflict_id).mkdir(parents=True, exist_ok=True)
+        for f in resolution_files(src):
+            shutil.copyfile(f, dest / conflict_id / f.name)
+        saved.append(conflict_id)
+    return saved
+
+
+# --- one patch ----------------------------------------------------------------
+
+
+def unmerged_files(tree: Path) -> list[str]:
+    return sorted(set(git(tree, "diff", "--name-only", "--diff-filter=U").split()))
+
+
+def patch_paths(patch: Path) -> list[str]:
+    return sorted(
+        {
+            line.split(" b/", 1)[1]
+            for line in patch.read_text().splitlines()
+            if line.startswith("diff --git ")
+        }
+    )
+
+
+def am_in_progress(tree: Path) -> bool:
+    return (gitdir(tree) / "rebase-apply" / "applying").exists()
+
+
+def am(tree: Path, *args: str) -> None:
+    run(
+        ["git", "-C", tree, "-c", "commit.gpgsign=false", "am", *args],
+        env=tool_identity_env(),
+    )
+
+
+def commit_resolution(tree: Path, before: str, how: str, version: str) -> Outcome:
+    """Finish the stopped `git am` of one patch whose conflicts are resolved
+    and staged: record the resolution, then commit it, or skip the patch when
+    the resolution keeps the new release's code unchanged."""
+    ids = conflict_ids(tree)
+    run(["git", "-C", tree, "rerere"], check=False)  # records the postimages
+    if git_ok(tree, "diff", "--cached", "--quiet", before):
+        am(tree, "--skip")
+        return Outcome(
+            UPSTREAM,
+            f"resolved to {version}'s code ({how}): nothing left to change",
+            conflict_ids=ids,
+        )
+    am(tree, "--continue")
+    return Outcome(MERGED, how, conflict_ids=ids)
+
+
+def reproducers_pass(ids: list[str], verdicts: dict[str, list[str]]) -> bool:
+    return bool(ids) and all(verdicts.get(t, [""])[0] == "passes" for t in ids)
+
+
+def replay_one(
+    tree: Path, patch: Path, ids: list[str], verdicts: dict, version: str
+) -> Outcome:
+    """Classify one patch against HEAD (the new release plus the patches kept
+    so far), applying it when it is still needed. A conflict leaves the `git
+    am` in progress."""
+    if reproducers_pass(ids, verdicts):
+        return Outcome(
+            UPSTREAM, f"fixed in {version}: its {len(ids)} reproducer(s) pass there"
+        )
+    if git_ok(tree, "apply", "--check", str(patch)):
+        proc = git_am(tree, [patch], three_way=False)
+        if proc.returncode != 0:
+            raise ForkError(f"git am of {patch.name} failed:\n{proc.stderr}")
+        return Outcome(CLEAN, "applies as it is")
+    if git_ok(tree, "apply", "--check", "--reverse", str(patch)):
+        return Outcome(
+            UPSTREAM, f"its change is already in {version} (reverse-applies)"
+        )
+    before = head(tree)
+    proc = git_am(tree, [patch])
+    if proc.returncode == 0:
+        if head(tree) == before:
+            return Outcome(
+                UPSTREAM, f"its change is already in {version} (empty after merge)"
+            )
+        return Outcome(MERGED, "three-way merge")
+    ids_now = conflict_ids(tree)
+    files = unmerged_files(tree)
+    # rerere replayed recorded resolutions for every conflict and staged them
+    # (it then drops them from MERGE_RR, so its message is what tells).
+    if (
+        am_in_progress(tree)
+        and not files
+        and "using previous resolution" in proc.stderr
+    ):
+        return commit_resolution(tree, before, "recorded resolution", version)
+    reason = "" if ids_now else (proc.stderr.strip().splitlines() or [""])[-1]
+    return Outcome(
+        CONFLICT,
+        f"conflicts in {len(files)} file(s)" if files else f"does not apply: {reason}",
+        files=files or patch_paths(patch),
+        conflict_ids=ids_now,
+    )
+
+
+def verdict_note(ids: list[str], verdicts: dict) -> str:
+    """Reproducers that could not say anything on the new release."""
+    odd = [
+        f"{t.split('::')[-1]} {verdicts[t][0]} ({verdicts[t][1]})"
+        for t in ids
+        if t in verdicts and verdicts[t][0] not in ("passes", "fails")
+    ]
+    return "; reproducer " + "; ".join(odd) if odd else ""
+
+
+def build_old_series(tree: Path, series: Series) -> None:
+    """Apply the series on its own base, detached, so that the tree holds
+    every file version the patches were made from: `git am -3` merges from
+    those. Kept under refs/vllm-fork/ so that no gc takes them meanwhile."""
+    git(tree, "checkout", "-q", "--detach", series.base().tag)
+    patches = [p.path for p in series.patches()]
+    if patches and git_am(tree, patches).returncode != 0:
+        run(["git", "-C", tree, "am", "--abort"], check=False)
+        raise ForkError(
+            f"{rel(series.dir)}/ does not apply to its own base "
+            f"{series.base().version}: fix the series first (make apply)"
+        )
+    git(tree, "update-ref", OLD_SERIES_REF, "HEAD")
+
+
+# --- the whole series ---------------------------------------------------------
+
+
+def parse_base(spec: str, version: str | None, git_url: str | None, old: Base) -> Base:
+    """BASE=<release> (PyPI) or BASE=<git ref> (with VERSION unless the ref
+    is named after one, like v0.34.0)."""
+    m = VERSION_RE.fullmatch(spec)
+    if m and not git_url:
+        if version and version != m.group(1):
+            raise ForkError(
+                f"BASE={spec} is release {m.group(1)}, not VERSION={version}"
+            )
+        return resolve_release(m.group(1))
+    tail = spec.rsplit("/", 1)[-1]
+    named = VERSION_RE.fullmatch(tail)
+    version = version or (named.group(1) if named else None)
+    if not version:
+        raise ForkError(
+            f"BASE={spec} is a git ref, not a release: say which version it is, "
+            f"e.g. make rebase BASE={spec} VERSION=0.34.0.dev0"
+        )
+    return resolve_git(git_url or old.git_url, spec, version)
+
+
+def into_changes(into: Path) -> list[str]:
+    """Uncommitted changes under `into` in the project's git repository."""
+    if not into.exists():
+        return []
+    proc = run(
+        [
+            "git",
+            "-C",
+            into,
+            "status",
+            "--porcelain",
+            "--untracked-files=all",
+            "--",
+            ".",
+        ],
+        check=False,
+    )
+    return proc.stdout.splitlines() if proc.returncode == 0 else []
+
+
+def check_into(into: Path) -> None:
+    changes = into_changes(into)
+    if changes:
+        shown = "\n".join(f"  {c}" for c in changes[:10])
+        raise ForkError(
+            f"{rel(into)}/ has uncommitted changes, which the rebase would "
+            f"overwrite:\n{shown}\nCommit or discard them first. Nothing was changed."
+        )
+
+
+def run_verdicts(
+    ids: list[str],
+    base_tree: Path,
+    new: Base,
+    python: Path | None,
+    repro_root: Path,
+    logs: Path,
+) -> dict[str, list[str]]:
+    """Each reproducer on the bare new release, as [state, message]."""
+    if not ids:
+        return {}
+    if python is None:
+        from venv import release_venv
+
+        python = release_venv(new.version, base_tree / "requirements" / "common.txt")
+    step(f"running {len(ids)} reproducer tests on bare vLLM {new.version}")
+    stem = f"rebase-v{new.version}-reproducers"
+    logs.mkdir(parents=True, exist_ok=True)
+    verdicts: dict[str, Verdict] = reproducer_verdicts(
+        python, base_tree, ids, repro_root, logs / f"{stem}.xml", logs / f"{stem}.log"
+    )
+    return {t: [v.state, v.message] for t, v in verdicts.items()}
+
+
+def start(
+    series: Series,
+    new: Base,
+    into: Path,
+    tree: Path = DEFAULT_TREE,
+    cache: Path = CACHE,
+    *,
+    python: Path | None = None,
+    repro_root: Path = ROOT,
+    base_tree: Path | None = None,
+    logs: Path = LOGS,
+) -> State:
+    """Start moving `series` onto `new`; runs until done or a conflict."""
+    old = series.base()
+    patches = series.patches()
+    init_tree(tree)
+    check_clean(tree)
+    check_into(into)
+    if new.version == old.version:
+        raise ForkError(f"{rel(series.dir)}/ is already on {old.version}")
+    started = time.time()
+
+    ensure_base(old, series.base_file, cache)
+    new_repo = ensure_base(new, into / BASE_FILE, cache)
+    base_tree = base_tree or WORK / f"v{new.version}" / "base"
+    step(f"bare vLLM {new.version} in {rel(base_tree)}/")
+    checkout_release(new, into / BASE_FILE, base_tree, cache)
+    ids = [t for p in patches for t in p.reproducers()]
+    verdicts = run_verdicts(ids, base_tree, new, python, repro_root, logs)
+
+    # The old release's files are what `git am -3` merges from.
+    fetch_base(tree, old, ensure_base(old, series.base_file, cache))
+    fetch_base(tree, new, new_repo)
+    keep_user_work(tree, new, series)
+    orig_ref = git(tree, "symbolic-ref", "-q", "HEAD", check=False)
+    orig_commit = git(tree, "rev-parse", "-q", "--verify", "HEAD", check=False)
+    branch_before = git(
+        tree, "rev-parse", "-q", "--verify", f"refs/heads/{new.branch}", check=False
+    )
+    snapshot = gitdir(tree) / SNAPSHOT
+    shutil.rmtree(snapshot, ignore_errors=True)
+    snapshot.mkdir()
+    for p in patches:
+        shutil.copyfile(p.path, snapshot / p.name)
+    seeded = seed_resolutions(
+        tree, [series.dir / RESOLUTIONS, into / RESOLUTIONS], started - 60
+    )
+    build_old_series(tree, series)
+    git(tree, "checkout", "-q", "-B", new.branch, new.tag)
+    state = State(
+        tree=str(tree),
+        series=str(series.dir),
+        into=str(into),
+        overlay=str(series.overlay),
+        cache=str(cache),
+        old_base=asdict(old),
+        new_base=asdict(new),
+        orig_ref=orig_ref,
+        orig_commit=orig_commit,
+        branch_before=branch_before,
+        verdicts=verdicts,
+        patches=[Entry(p.name, p.subject(), p.reproducers()) for p in patches],
+        started=started,
+    )
+    state.save()
+    step(
+        f"replaying {len(patches)} patches of {rel(series.dir)}/ on vLLM "
+        f"{new.version} in {rel(tree)}/ (branch {new.branch}"
+        + (f", {seeded} recorded resolutions" if seeded else "")
+        + ")"
+    )
+    return advance(state, 0)
+
+
+def advance(state: State, first: int) -> State:
+    """Replay the patches from index `first` on; finish when all are through."""
+    tree, new = state.tree_path, state.new
+    total = len(state.patches)
+    for i in range(first, total):
+        entry = state.patches[i]
+        outcome = replay_one(
+            tree,
+            state.patch_file(entry),
+            entry.reproducers,
+            state.verdicts,
+            new.version,
+        )
+        record(entry, outcome, state.verdicts)
+        say(f"    [{i + 1}/{total}] {entry.name}: {entry.state} ({entry.detail})")
+        if outcome.state == CONFLICT:
+            state.stopped_at = i
+            state.stopped_head = head(tree)
+            state.save()
+            raise conflict_stop(state, entry)
+        state.save()
+    return finish(state)
+
+
+def record(entry: Entry, outcome: Outcome, verdicts: dict) -> None:
+    entry.state = outcome.state
+    entry.detail = outcome.detail
+    if outcome.state != UPSTREAM or "reproducer" not in outcome.detail:
+        entry.detail += verdict_note(entry.reproducers, verdicts)
+    entry.files = outcome.files
+    entry.conflict_ids = sorted(set(entry.conflict_ids) | set(outcome.conflict_ids))
+
+
+def conflict_stop(state: State, entry: Entry) -> ForkError:
+    t = rel(state.tree_path)
+    i = state.patches.index(entry)
+    return ForkError(
+        f"patch {entry.name} ({i + 1} of {len(state.patches)}) conflicts with "
+        f"vLLM {state.new.version}.\n"
+        + table(state.patches)
+        + "\nConflicting files:\n"
+        + "".join(f"  {t}/{f}\n" for f in entry.files)
+        + f"{t}/ is left mid-`git am` on branch {state.new.branch}. To go on:\n"
+        f"  1. edit the files (git -C {t} diff shows the conflicts), then\n"
+        f"     git -C {t} add <files>\n"
+        "  2. make rebase-continue   (records your resolution so the next rebase\n"
+        "                            replays it, and goes on with the next patch)\n"
+        "  If the new release already does what the patch did, resolve to its\n"
+        "  code: the patch is then dropped as upstream.\n"
+        "Or give up with: make rebase-abort   (the tree back as it was; "
+        f"{rel(Path(state.series))}/ and {rel(Path(state.into))}/ were not touched)"
+    )
+
+
+def resume(tree: Path = DEFAULT_TREE) -> State:
+    """`make rebase-continue`: take in the resolution, go on with the rest."""
+    state = State.load(tree)
+    new = state.new
+    if state.stopped_at < 0:
+        return finish(state)  # stopped before writing INTO: try again
+    entry = state.patches[state.stopped_at]
+    t = rel(tree)
+    if am_in_progress(tree):
+        left = unmerged_files(tree)
+        if left:
+            raise ForkError(
+                f"{entry.name} still has unresolved files:\n"
+                + "".join(f"  {t}/{f}\n" for f in left)
+                + f"Resolve them, `git -C {t} add` them, then make rebase-continue."
+            )
+        markers = [
+            line
+            for line in git(
+                tree, "diff", "--cached", "--check", check=False
+            ).splitlines()
+            if "conflict marker" in line
+        ]
+        if markers:
+            raise ForkError(
+                f"{entry.name}: conflict markers are still staged:\n"
+                + "\n".join(f"  {t}/{m}" for m in markers)
+                + f"\nRemove them, `git -C {t} add` the files, then "
+                "make rebase-continue."
+            )
+        outcome = commit_resolution(
+            tree, state.stopped_head, "resolved by hand", new.version
+        )
+    elif head(tree) != state.stopped_head:
+        # The user finished the `git am` themselves.
+        run(["git", "-C", tree, "rerere"], check=False)
+        outcome = Outcome(MERGED, "resolved by hand")
+    else:
+        say(
+            f"warning: the `git am` of {entry.name} was aborted or skipped by hand; "
+            "replaying it again (to drop a patch, resolve it to the new release's "
+            "code)"
+        )
+        state.stopped_at = -1
+        state.save()
+        return advance(state, state.patches.index(entry))
+    record(entry, outcome, state.verdicts)
+    say(
+        f"    [{state.stopped_at + 1}/{len(state.patches)}] {entry.name}: {entry.state}"
+    )
+    first = state.stopped_at + 1
+    state.stopped_at = -1
+    state.save()
+    return advance(state, first)
+
+
+def finish(state: State) -> State:
+    """Every patch is through: write INTO, rebuild the tree from it."""
+    tree, new = state.tree_path, state.new
+    into = Path(state.into)
+    check_into(into)
+    kept = [e for e in state.patches if e.state in (CLEAN, MERGED)]
+    commits = git(tree, "rev-list", "--reverse", f"{new.tag}..HEAD").split()
+    if len(commits) != len(kept):
+        raise ForkError(
+            f"{rel(tree)}/ has {len(commits)} commits on {new.tag}, but "
+            f"{len(kept)} patches were kept: was something committed by hand? "
+            "make rebase-abort and start again"
+        )
+    with tempfile.TemporaryDirectory() as tmp:
+        staging = Path(tmp) / "series"
+        staging.mkdir()
+        (staging / BASE_FILE).write_text(new.to_toml())
+        for entry, path in zip(
+            kept, format_patches(tree, commits, staging), strict=True
+        ):
+            entry.new_name = path.name
+        saved = save_resolutions(
+            tree, used_resolutions(tree, state.started), staging / RESOLUTIONS
+        )
+        (staging / REPORT).write_text(report(state, saved))
+        result = head(tree)
+        # Rebuild as `make apply` does from what will be in INTO: proves the
+        # written series applies, and adds the overlay and the version tag.
+        state_file(tree).unlink()
+        staged_series = Series(staging, overlay=Path(state.overlay))
+        try:
+            apply_series(staged_series, tree, Path(state.cache))
+        except ForkError as e:
+            state.save()
+            raise ForkError(
+                f"the rebased series does not rebuild in {rel(tree)}/: {e}\n"
+                f"The rebased commits are at {result}; nothing was written to "
+                f"{rel(into)}/."
+            ) from e
+        write_series(staging, into)
+    cleanup(tree)
+    minutes = (time.time() - state.started) / 60
+    say("")
+    say(table(state.patches))
+    say(
+        f"\n{rel(into)}/ now holds the series on vLLM {new.version}: {len(kept)} of "
+        f"{len(state.patches)} patches ({minutes:.1f} min). {rel(tree)}/ is on "
+        f"{new.branch}.\nReview with `git diff -- {rel(into)}`, test with "
+        f"`make test`, and commit {rel(into)}/."
+    )
+    return state
+
+
+def cleanup(tree: Path) -> None:
+    shutil.rmtree(gitdir(tree) / SNAPSHOT, ignore_errors=True)
+    if git_ok(tree, "rev-parse", "-q", "--verify", OLD_SERIES_REF):
+        git(tree, "update-ref", "-d", OLD_SERIES_REF)
+
+
+def write_series(staging: Path, into: Path) -> None:
+    """Replace the series files in `into` (other files, like a series for
+    another release in a subdirectory, are left alone)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for old in Series(into).patches():
+        old.path.unlink()
+    shutil.rmtree(into / RESOLUTIONS, ignore_errors=True)
+    for f in sorted(staging.iterdir()):
+        if f.is_dir():
+            shutil.copytree(f, into / f.name)
+        else:
+            shutil.copyfile(f, into / f.name)
+
+
+def abort(tree: Path = DEFAULT_TREE) -> None:
+    """`make rebase-abort`: the tree as it was before; nothing else changed."""
+    state = State.load(tree)
+    t = rel(tree)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    backup = f"backup/rebase-v{state.new.version}-{stamp}"
+    if am_in_progress(tree):
+        run(["git", "-C", tree, "rerere"], check=False)
+        work = unsaved_resolution(tree)
+        if work:
+            git(tree, "branch", backup, work)
+            say(f"    your unfinished resolution is kept on branch {backup}")
+        am(tree, "--abort")
+    by_hand = [e.name for e in state.patches if "by hand" in e.detail]
+    if by_hand:
+        name = backup + "-resolved"
+        git(tree, "branch", name, "HEAD")
+        say(f"    the patches you resolved ({', '.join(by_hand)}) are kept on {name}")
+    if state.orig_ref:
+        git(tree, "checkout", "-q", "-f", state.orig_ref.removeprefix("refs/heads/"))
+    elif state.orig_commit:
+        git(tree, "checkout", "-q", "-f", "--detach", state.orig_commit)
+    branch = f"refs/heads/{state.new.branch}"
+    if state.orig_ref == branch:
+        git(tree, "reset", "-q", "--hard", state.orig_commit)
+    elif state.branch_before:
+        git(tree, "update-ref", branch, state.branch_before)
+    elif git_ok(tree, "rev-parse", "-q", "--verify", branch):
+        git(tree, "update-ref", "-d", branch)
+    state_file(tree).unlink()
+    cleanup(tree)
+    say(
+        f"rebase onto {state.new.version} aborted: {t}/ is back on "
+        f"{state.orig_ref.removeprefix('refs/heads/') or state.orig_commit[:12]}; "
+        f"{rel(Path(state.series))}/ and {rel(Path(state.into))}/ were not changed. "
+        "Recorded resolutions stay in the tree for the next try."
+    )
+
+
+def unsaved_resolution(tree: Path) -> str | None:
+    """A commit of the work tree as it is now (edits in progress during a
+    conflict), made without touching the index; None if nothing changed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**tool_identity_env(), "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        run(["git", "-C", tree, "read-tree", "HEAD"], env=env)
+        run(["git", "-C", tree, "add", "-A"], env=env)
+        tree_id = run(["git", "-C", tree, "write-tree"], env=env).stdout.strip()
+    if tree_id == git(tree, "rev-parse", "HEAD^{tree}"):
+        return None
+    return git(
+        tree,
+        "commit-tree",
+        tree_id,
+        "-p",
+        "HEAD",
+        "-m",
+        "rebase: unfinished conflict resolution (kept by make rebase-abort)",
+        env=tool_identity_env(),
+    )
+
+
+# --- output -------------------------------------------------------------------
+
+
+def table(entries: list[Entry]) -> str:
+    width = max([len(e.name) for e in entries] + [5])
+    lines = [
+        f"{'patch':<{width}}  {'state':<9}  detail",
+        f"{'-' * width}  ---------  ------",
+    ]
+    for e in entries:
+        detail = e.detail + (f" -> {e.new_name}" if e.new_name else "")
+        if e.state == CONFLICT:
+            detail += ": " + ", ".join(e.files)
+        lines.append(f"{e.name:<{width}}  {e.state:<9}  {detail}")
+    return "\n".join(lines)
+
+
+def base_arg(base: Base) -> str:
+    """What BASE= named this release."""
+    if base.source == "sdist":
+        return base.version
+    return f"{base.git_ref} VERSION={base.version}"
+
+
+def report(state: State, saved: list[str]) -> str:
+    old, new = state.old, state.new
+    lines = [
+        f"# vLLM {old.version} -> {new.version}",
+        "",
+        f"Written by `make rebase BASE={base_arg(new)}` from the "
+        f"{old.version} series ({rel(Path(state.series))}/). Each patch of that "
+        "series and where it went:",
+        "",
+        "| patch | state | detail | now |",
+        "| --- | --- | --- | --- |",
+    ]
+    for e in state.patches:
+        # The same words whether the resolution was made now or replayed, so
+        # that rebasing again with nothing new rewrites the same report.
+        detail = re.sub(
+            r"^(resolved by hand|recorded resolution)",
+            f"conflict resolved (kept in {RESOLUTIONS}/)",
+            e.detail,
+        )
+        lines.append(
+            f"| {e.name} | {e.state} | {detail.replace('|', '/')} | "
+            f"{e.new_name or 'dropped'} |"
+        )
+    lines += ["", "Reproducers on the bare release:", ""]
+    lines += ["| reproducer | on " + new.version + " |", "| --- | --- |"]
+    for test_id, (verdict, message) in sorted(state.verdicts.items()):
+        note = f" ({message.replace('|', '/')})" if message else ""
+        lines.append(f"| {test_id} | {verdict}{note} |")
+    if saved:
+        lines += [
+            "",
+            f"Conflict resolutions replayed by the next rebase ({RESOLUTIONS}/, "
+            "git rerere): " + ", ".join(saved),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = parser(__doc__)
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--base", help="the new release (0.33.0) or a git ref")
+    what.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="go on after resolving a conflict",
+    )
+    what.add_argument(
+        "--abort", action="store_true", help="undo the rebase in progress"
+    )
+    p.add_argument("--version", help="the version a git ref stands for")
+    p.add_argument("--git-url", help="repository of a git ref (default: the series')")
+    p.add_argument(
+        "--series",
+        type=Path,
+        default=DEFAULT_SERIES,
+        help="series to move (default: patches/)",
+    )
+    p.add_argument(
+        "--into",
+        type=Path,
+        help="where the new series goes (default: patches/v<new version>/)",
+    )
+    p.add_argument(
+        "--tree",
+        type=Path,
+        default=DEFAULT_TREE,
+        help="checkout to replay in (default: vllm/)",
+    )
+    args = p.parse_args()
+    tree = args.tree.resolve()
+    if args.resume:
+        resume(tree)
+    elif args.abort:
+        abort(tree)
+    else:
+        if state_exists(tree):
+            state = State.load(tree)
+            raise ForkError(
+                f"a rebase onto {state.new.version} is in progress in {rel(tree)}/: "
+                "make rebase-continue, or make rebase-abort"
+            )
+        series = Series(args.series.resolve(), overlay=OVERLAY)
+        new = parse_base(args.base, args.version, args.git_url, series.base())
+        into = (args.into or DEFAULT_SERIES / f"v{new.version}").resolve()
+        start(series, new, into, tree)
+    return 0
+
+
+def state_exists(tree: Path) -> bool:
+    return (tree / ".git").exists() and state_file(tree).exists()
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,342 @@
+"""rebase: every patch classified, conflicts resumable, nothing lost.
+
+A synthetic upstream 9.9.9 with a series of five patches, one for each way a
+patch can end, and a release 9.9.10 that:
+- leaves the code of patch 1 alone                     -> clean
+- changes a line two lines from patch 2's change        -> merged (3-way)
+- fixes patch 3's bug with other code than the patch    -> upstream (reproducer)
+- ships the file patch 4 adds, identical                -> upstream (change there)
+- changes the very line patch 5 changes                 -> conflict
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import rebase
+from conftest import UPSTREAM_FILES, Upstream, git
+
+from apply import apply_series
+from common import ForkError
+from series import Series
+
+LINES = "".join(f"line {i}\n" for i in range(1, 41))
+REPRODUCER = "tests/reproducers/test_popleft.py::test_empty_pop_is_a_value_error"
+NEW_RELEASE = {
+    "vllm/v1/core/block_pool.py": LINES.replace("line 27\n", "line 27 (new)\n")
+    .replace("line 20\n", "line XX\n")
+    .replace("line 2\n", "line 2\nline 2.5\n"),
+    # Fixed upstream, but not as patch 3 does it.
+    "vllm/v1/core/kv_cache_utils.py": (
+        "def popleft_n(n):\n"
+        "    if n < 1:\n"
+        "        raise ValueError('nothing to pop')\n"
+        "    return n\n"
+    ),
+    "vllm/v1/core/new.py": "x = 1\n",
+}
+CONFLICT_RE = re.compile(r"^<<<<<<< .*?^>>>>>>> [^\n]*\n", re.M | re.S)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """Where the reproducers live (the project root, for the test ids)."""
+    root = tmp_path / "project"
+    (root / "tests" / "reproducers").mkdir(parents=True)
+    (root / "tests" / "reproducers" / "test_popleft.py").write_text(
+        "import pytest\n"
+        "from vllm.v1.core.kv_cache_utils import popleft_n\n\n\n"
+        "def test_empty_pop_is_a_value_error():\n"
+        "    with pytest.raises(ValueError):\n"
+        "        popleft_n(0)\n"
+    )
+    return root
+
+
+@pytest.fixture
+def five(upstream: Upstream) -> Upstream:
+    """The series of five patches on 9.9.9."""
+    up = upstream
+    up.add_patch(
+        "vllm/v1/core/block_pool.py",
+        LINES.replace("line 35\n", "line thirty-five\n"),
+        "Clean: change line 35",
+    )
+    text = (up.tree / "vllm/v1/core/block_pool.py").read_text()
+    up.add_patch(
+        "vllm/v1/core/block_pool.py",
+        text.replace("line 29\n", "line twenty-nine\n"),
+        "Merged: change line 29",
+    )
+    up.add_patch(
+        "vllm/v1/core/kv_cache_utils.py",
+        "def popleft_n(n):\n    if not n:\n        raise ValueError(n)\n",
+        f"Fix: popleft_n raises ValueError\n\nReproducer: {REPRODUCER}",
+    )
+    up.add_patch("vllm/v1/core/new.py", "x = 1\n", "Add new.py")
+    text = (up.tree / "vllm/v1/core/block_pool.py").read_text()
+    up.add_patch(
+        "vllm/v1/core/block_pool.py",
+        text.replace("line 20\n", "line twenty\n"),
+        "Conflict: change line 20",
+    )
+    return up
+
+
+def start(up: Upstream, project: Path, tree: Path | None = None, into=None):
+    tmp = up.tree.parent
+    return rebase.start(
+        up.series,
+        up.release("9.9.10", NEW_RELEASE),
+        into or tmp / "into",
+        tree or up.tree,
+        up.cache,
+        python=Path(sys.executable),
+        repro_root=project,
+        base_tree=tmp / "base-9.9.10",
+        logs=tmp / "logs",
+    )
+
+
+def snapshot(d: Path) -> dict[str, bytes]:
+    if not d.exists():
+        return {}
+    return {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+def states(tree: Path) -> list[tuple[str, str]]:
+    state = rebase.State.load(tree)
+    return [(e.name[:4], e.state) for e in state.patches]
+
+
+def resolve_by_hand(tree: Path, resolution: str = "line twenty\n") -> None:
+    """Replace the conflict in block_pool.py by `resolution`, and stage it."""
+    path = tree / "vllm/v1/core/block_pool.py"
+    text, n = CONFLICT_RE.subn(resolution, path.read_text())
+    assert n == 1, text
+    path.write_text(text)
+    git(tree, "add", "vllm/v1/core/block_pool.py")
+
+
+def test_every_patch_is_classified_and_the_conflict_resumes(five, project, capsys):
+    series_before = snapshot(five.series.dir)
+    with pytest.raises(ForkError) as info:
+        start(five, project)
+    msg = str(info.value)
+    assert "0005-Conflict-change-line-20.patch (5 of 5)" in msg
+    assert "vllm/v1/core/block_pool.py" in msg
+    assert "make rebase-continue" in msg and "make rebase-abort" in msg
+    assert states(five.tree) == [
+        ("0001", "clean"),
+        ("0002", "merged"),
+        ("0003", "upstream"),
+        ("0004", "upstream"),
+        ("0005", "conflict"),
+    ]
+    # Stopped: nothing written, the series as it was, the tree resolvable.
+    into = five.tree.parent / "into"
+    assert not into.exists()
+    assert snapshot(five.series.dir) == series_before
+    conflicted = (five.tree / "vllm/v1/core/block_pool.py").read_text()
+    assert "<<<<<<<" in conflicted
+    # make apply refuses to touch a tree in the middle of a rebase.
+    with pytest.raises(ForkError, match="middle of `make rebase` onto 9.9.10"):
+        apply_series(five.series, five.tree, five.cache)
+
+    resolve_by_hand(five.tree)
+    state = rebase.resume(five.tree)
+    final = {e.name: (e.state, e.detail, e.new_name) for e in state.patches}
+    assert final["0003-Fix-popleft_n-raises-ValueError.patch"][:2] == (
+        "upstream",
+        "fixed in 9.9.10: its 1 reproducer(s) pass there",
+    )
+    assert final["0004-Add-new.py.patch"][0] == "upstream"
+    assert "reverse-applies" in final["0004-Add-new.py.patch"][1]
+    assert final["0005-Conflict-change-line-20.patch"] == (
+        "merged",
+        "resolved by hand",
+        "0003-Conflict-change-line-20.patch",
+    )
+    # Every patch ends in exactly one final state; the kept ones are renumbered.
+    assert all(e.state in ("clean", "merged", "upstream") for e in state.patches)
+    assert sorted(p.name for p in Series(into).patches()) == [
+        "0001-Clean-change-line-35.patch",
+        "0002-Merged-change-line-29.patch",
+        "0003-Conflict-change-line-20.patch",
+    ]
+    assert 'version = "9.9.10"' in (into / "base.toml").read_text()
+    ids = [p.name for p in (into / "resolutions").iterdir()]
+    assert len(ids) == 1
+    assert (into / "resolutions" / ids[0] / "postimage").is_file()
+    report = (into / "REBASE.md").read_text()
+    assert "| 0003-Fix-popleft_n-raises-ValueError.patch | upstream |" in report
+    assert f"| {REPRODUCER} | passes |" in report
+    # The tree is what `make apply` builds from the new series.
+    new_series = Series(into, overlay=five.series.overlay)
+    assert git(five.tree, "rev-parse", "--abbrev-ref", "HEAD") == "fork/v9.9.10"
+    assert apply_series(new_series, five.tree, five.cache) is False
+    text = (five.tree / "vllm/v1/core/block_pool.py").read_text()
+    for line in ("line thirty-five", "line twenty-nine", "line twenty", "line 2.5"):
+        assert line + "\n" in text
+    assert snapshot(five.series.dir) == series_before
+    assert not rebase.state_exists(five.tree)
+    assert "0003-Conflict-change-line-20.patch" in capsys.readouterr().err
+
+
+def test_a_recorded_resolution_is_replayed(five, project, tmp_path):
+    with pytest.raises(ForkError):
+        start(five, project)
+    resolve_by_hand(five.tree)
+    rebase.resume(five.tree)
+    into = tmp_path / "into"
+    first = snapshot(into)
+    # Another checkout, nothing but the series and INTO: no hand edit needed,
+    # and the same bytes come out.
+    state = start(five, project, tree=tmp_path / "elsewhere")
+    assert [(e.state, e.detail) for e in state.patches][4] == (
+        "merged",
+        "recorded resolution",
+    )
+    assert snapshot(into) == first
+
+
+def test_abort_puts_everything_back_and_keeps_the_unfinished_work(five, project):
+    before = git(five.tree, "rev-parse", "HEAD")
+    series_before = snapshot(five.series.dir)
+    with pytest.raises(ForkError):
+        start(five, project)
+    (five.tree / "vllm/v1/core/block_pool.py").write_text("half resolved\n")
+    rebase.abort(five.tree)
+    assert git(five.tree, "rev-parse", "--abbrev-ref", "HEAD") == "fork/v9.9.9"
+    assert git(five.tree, "rev-parse", "HEAD") == before
+    assert git(five.tree, "status", "--porcelain") == ""
+    assert git(five.tree, "branch", "--list", "fork/v9.9.10") == ""
+    backups = git(five.tree, "branch", "--list", "backup/rebase-*").split()
+    assert len(backups) == 1
+    kept = git(five.tree, "show", f"{backups[0]}:vllm/v1/core/block_pool.py")
+    assert kept == "half resolved"
+    assert not rebase.state_exists(five.tree)
+    assert snapshot(five.series.dir) == series_before
+    assert not (five.tree.parent / "into").exists()
+    with pytest.raises(ForkError, match="no rebase is in progress"):
+        rebase.resume(five.tree)
+
+
+def test_continue_refuses_unresolved_files_and_changes_nothing(five, project):
+    with pytest.raises(ForkError):
+        start(five, project)
+    with pytest.raises(ForkError, match="still has unresolved files"):
+        rebase.resume(five.tree)
+    # Staged with the markers still in: refused as well.
+    git(five.tree, "add", "vllm/v1/core/block_pool.py")
+    with pytest.raises(ForkError, match="conflict markers"):
+        rebase.resume(five.tree)
+    assert states(five.tree)[4] == ("0005", "conflict")
+    assert rebase.am_in_progress(five.tree)
+
+
+def test_resolving_to_the_new_code_drops_the_patch(five, project):
+    with pytest.raises(ForkError):
+        start(five, project)
+    resolve_by_hand(five.tree, "line XX\n")
+    state = rebase.resume(five.tree)
+    assert (state.patches[4].state, state.patches[4].new_name) == ("upstream", "")
+    assert "resolved to 9.9.10's code" in state.patches[4].detail
+    assert len(Series(five.tree.parent / "into").patches()) == 2
+
+
+def test_am_finished_by_hand_is_taken_in(five, project):
+    with pytest.raises(ForkError):
+        start(five, project)
+    resolve_by_hand(five.tree)
+    git(five.tree, "am", "--continue")
+    state = rebase.resume(five.tree)
+    assert (state.patches[4].state, state.patches[4].detail) == (
+        "merged",
+        "resolved by hand",
+    )
+    assert len(Series(five.tree.parent / "into").patches()) == 3
+
+
+def test_am_aborted_by_hand_replays_the_patch_again(five, project):
+    with pytest.raises(ForkError):
+        start(five, project)
+    git(five.tree, "am", "--abort")
+    with pytest.raises(ForkError, match="0005-Conflict"):
+        rebase.resume(five.tree)
+    assert states(five.tree)[4] == ("0005", "conflict")
+
+
+def test_refusals_change_nothing(five, project, tmp_path):
+    (five.tree / "vllm/v1/core/block_pool.py").write_text("my edit\n")
+    with pytest.raises(ForkError, match="uncommitted changes"):
+        start(five, project)
+    assert (five.tree / "vllm/v1/core/block_pool.py").read_text() == "my edit\n"
+    assert git(five.tree, "rev-parse", "--abbrev-ref", "HEAD") == "fork/v9.9.9"
+    git(five.tree, "checkout", "--", ".")
+    # INTO with uncommitted changes in the project's repository.
+    repo = tmp_path / "repo"
+    into = repo / "patches" / "v9.9.10"
+    into.mkdir(parents=True)
+    git(repo, "init", "-q")
+    (into / "notes.txt").write_text("mine\n")
+    with pytest.raises(ForkError, match="(?s)uncommitted changes.*notes.txt"):
+        start(five, project, into=into)
+    assert (into / "notes.txt").read_text() == "mine\n"
+    # A second rebase while one is in progress.
+    with pytest.raises(ForkError):
+        start(five, project)
+    with pytest.raises(ForkError, match="middle of `make rebase`"):
+        start(five, project)
+
+
+def test_state_is_plain_json_in_the_git_dir(five, project):
+    with pytest.raises(ForkError):
+        start(five, project)
+    path = five.tree / ".git" / "vllm-fork-rebase.json"
+    data = json.loads(path.read_text())
+    assert data["new_base"]["version"] == "9.9.10"
+    assert data["stopped_at"] == 4
+    assert (five.tree / ".git" / "vllm-fork-rebase").is_dir()
+
+
+def test_a_git_ref_as_the_new_base(five, project, tmp_path):
+    # Upstream's repository, with the new release as a branch.
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    git(origin, "init", "-q", "-b", "main")
+    files = {**UPSTREAM_FILES, **NEW_RELEASE}
+    for name, text in files.items():
+        (origin / name).parent.mkdir(parents=True, exist_ok=True)
+        (origin / name).write_text(text)
+    git(origin, "add", "-A")
+    git(origin, "commit", "-q", "-m", "upstream")
+    new = rebase.parse_base("main", "9.10.0.dev0", str(origin), five.series.base())
+    assert (new.source, new.git_commit) == ("git", git(origin, "rev-parse", "HEAD"))
+    with pytest.raises(ForkError, match="say which version"):
+        rebase.parse_base("main", None, str(origin), five.series.base())
+    into = tmp_path / "into-git"
+    with pytest.raises(ForkError, match="0005"):
+        rebase.start(
+            five.series,
+            new,
+            into,
+            five.tree,
+            five.cache,
+            python=Path(sys.executable),
+            repro_root=project,
+            base_tree=tmp_path / "base-git",
+            logs=tmp_path / "logs",
+        )
+    resolve_by_hand(five.tree)
+    rebase.resume(five.tree)
+    base_toml = (into / "base.toml").read_text()
+    assert f'git_commit = "{new.git_commit}"' in base_toml
+    assert "sdist" not in base_toml
+    assert (
+        apply_series(Series(into, five.series.overlay), five.tree, five.cache) is False
+    )
