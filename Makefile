@@ -7,11 +7,13 @@ SERIES ?= patches
 TREE ?= vllm
 
 .DEFAULT_GOAL := help
-.PHONY: help fetch apply refresh install venv test clean
+.PHONY: help fetch apply refresh install venv test test-slow rebase rebase-continue \
+	rebase-abort matrix clean
 
 help: ## list the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  Variables: SERIES=$(SERIES) TREE=$(TREE) PYTHON=$(PYTHON)"
+	@echo "  make rebase: BASE=<release or git ref> [INTO=patches/v<release>] [VERSION= GIT_URL=]"
 
 fetch: ## download and verify the pinned upstream base, import it into .cache/
 	$(PYTHON) scripts/fetch.py --series $(SERIES)
@@ -30,6 +32,24 @@ venv: ## create .venv with torch and vLLM's build requirements
 
 test: ## tooling tests, upstream tests on base and series, reproducers, lint
 	$(PYTHON) scripts/run_tests.py
+
+test-slow: ## the slow tests (the real 0.20.2 -> 0.33.0 rebase)
+	$(PYTHON) scripts/run_tests.py --slow
+
+rebase: ## move the series onto another release: make rebase BASE=0.33.0
+	@test -n "$(BASE)" || { echo "usage: make rebase BASE=<release or git ref> [INTO=dir]"; exit 2; }
+	$(PYTHON) scripts/rebase.py --base $(BASE) --series $(SERIES) --tree $(TREE) \
+		$(if $(INTO),--into $(INTO)) $(if $(VERSION),--version $(VERSION)) \
+		$(if $(GIT_URL),--git-url $(GIT_URL))
+
+rebase-continue: ## go on with the rebase after resolving a conflict
+	$(PYTHON) scripts/rebase.py --continue --tree $(TREE)
+
+rebase-abort: ## undo the rebase in progress (the tree as it was)
+	$(PYTHON) scripts/rebase.py --abort --tree $(TREE)
+
+matrix: ## patches and reproducers on releases 0.19.0 .. 0.33.0 (.work/matrix/)
+	$(PYTHON) scripts/matrix.py --series $(SERIES) $(if $(RELEASES),--releases $(RELEASES))
 
 clean: ## remove generated work trees and logs (keeps vllm/, .venv, .cache)
 	rm -rf .work

@@ -91,6 +91,12 @@ def fetch_base(tree: Path, base: Base, upstream: Path) -> None:
     )
 
 
+def make_hint(target: str, tree: Path) -> str:
+    """The make command for `target` on this tree (TREE= when not vllm/)."""
+    same = tree.resolve() == DEFAULT_TREE.resolve()
+    return f"make {target}" + ("" if same else f" TREE={rel(tree)}")
+
+
 def rebase_in_progress(tree: Path) -> str | None:
     """The version a `make rebase` in the tree is moving to, if one is."""
     state = Path(git(tree, "rev-parse", "--absolute-git-dir")) / REBASE_STATE
@@ -107,8 +113,8 @@ def check_clean(tree: Path) -> None:
     if moving_to:
         raise ForkError(
             f"{rel(tree)}/ is in the middle of `make rebase` onto {moving_to}. "
-            "Finish it (resolve, then `make rebase-continue`) or undo it "
-            "(`make rebase-abort`)."
+            f"Finish it (resolve, then `{make_hint('rebase-continue', tree)}`) or "
+            f"undo it (`{make_hint('rebase-abort', tree)}`)."
         )
     op = operation_in_progress(tree)
     if op:

@@ -52,6 +52,7 @@ from apply import (
     git_am,
     init_tree,
     keep_user_work,
+    make_hint,
 )
 from common import (
     CACHE,
@@ -573,11 +574,13 @@ def conflict_stop(state: State, entry: Entry) -> ForkError:
         + f"{t}/ is left mid-`git am` on branch {state.new.branch}. To go on:\n"
         f"  1. edit the files (git -C {t} diff shows the conflicts), then\n"
         f"     git -C {t} add <files>\n"
-        "  2. make rebase-continue   (records your resolution so the next rebase\n"
-        "                            replays it, and goes on with the next patch)\n"
+        f"  2. {make_hint('rebase-continue', state.tree_path)}\n"
+        "     (records your resolution, so that the next rebase replays it, and\n"
+        "     goes on with the next patch)\n"
         "  If the new release already does what the patch did, resolve to its\n"
         "  code: the patch is then dropped as upstream.\n"
-        "Or give up with: make rebase-abort   (the tree back as it was; "
+        f"Or give up with: {make_hint('rebase-abort', state.tree_path)}   "
+        "(the tree back as it was; "
         f"{rel(Path(state.series))}/ and {rel(Path(state.into))}/ were not touched)"
     )
 
@@ -596,7 +599,8 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
             raise ForkError(
                 f"{entry.name} still has unresolved files:\n"
                 + "".join(f"  {t}/{f}\n" for f in left)
-                + f"Resolve them, `git -C {t} add` them, then make rebase-continue."
+                + f"Resolve them, `git -C {t} add` them, then "
+                + make_hint("rebase-continue", tree)
             )
         markers = [
             line
@@ -610,7 +614,7 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
                 f"{entry.name}: conflict markers are still staged:\n"
                 + "\n".join(f"  {t}/{m}" for m in markers)
                 + f"\nRemove them, `git -C {t} add` the files, then "
-                "make rebase-continue."
+                + make_hint("rebase-continue", tree)
             )
         outcome = commit_resolution(
             tree, state.stopped_head, "resolved by hand", new.version
@@ -649,7 +653,7 @@ def finish(state: State) -> State:
         raise ForkError(
             f"{rel(tree)}/ has {len(commits)} commits on {new.tag}, but "
             f"{len(kept)} patches were kept: was something committed by hand? "
-            "make rebase-abort and start again"
+            f"{make_hint('rebase-abort', tree)} and start again"
         )
     with tempfile.TemporaryDirectory() as tmp:
         staging = Path(tmp) / "series"
@@ -823,7 +827,10 @@ def report(state: State, saved: list[str]) -> str:
     lines += ["", "Reproducers on the bare release:", ""]
     lines += ["| reproducer | on " + new.version + " |", "| --- | --- |"]
     for test_id, (verdict, message) in sorted(state.verdicts.items()):
-        note = f" ({message.replace('|', '/')})" if message else ""
+        # Why a reproducer fails varies from run to run (hypothesis); why one
+        # could not run at all is what a reader needs.
+        shown = message if verdict not in ("passes", "fails") else ""
+        note = f" ({shown.replace('|', '/')})" if shown else ""
         lines.append(f"| {test_id} | {verdict}{note} |")
     if saved:
         lines += [
@@ -877,7 +884,8 @@ def main() -> int:
             state = State.load(tree)
             raise ForkError(
                 f"a rebase onto {state.new.version} is in progress in {rel(tree)}/: "
-                "make rebase-continue, or make rebase-abort"
+                f"{make_hint('rebase-continue', tree)}, or "
+                f"{make_hint('rebase-abort', tree)}"
             )
         series = Series(args.series.resolve(), overlay=OVERLAY)
         new = parse_base(args.base, args.version, args.git_url, series.base())

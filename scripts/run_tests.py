@@ -43,7 +43,7 @@ from common import run as run_cmd
 from refresh import refresh_series
 from series import Series
 from testenv import count, read_junit, run_pytest
-from venv import VENV, ensure_venv
+from venv import VENV, ensure_venv, release_venv
 
 UPSTREAM_TESTS = ["tests/v1/core", "tests/v1/simple_kv_offload"]
 REPRODUCERS = ROOT / "tests" / "reproducers"
@@ -211,12 +211,14 @@ def vllm_lint(trees: Trees) -> tuple[bool, str]:
     return ruff(files, trees.patched)
 
 
-def project_tests(python: Path, trees: Trees) -> tuple[bool, str]:
-    junit, log = LOGS / "project.xml", LOGS / "project.log"
+def project_tests(python: Path, trees: Trees, slow: bool = False) -> tuple[bool, str]:
+    """tests/ but the reproducers; the slow ones only (make test-slow) or
+    all but them (make test)."""
+    name = "slow" if slow else "project"
+    junit, log = LOGS / f"{name}.xml", LOGS / f"{name}.log"
     junit.unlink(missing_ok=True)
-    code = run_pytest(
-        python, trees.patched, ROOT, junit, ["tests", f"--ignore={REPRODUCERS}"], log
-    )
+    args = ["tests", f"--ignore={REPRODUCERS}", "-m", "slow" if slow else "not slow"]
+    code = run_pytest(python, trees.patched, ROOT, junit, args, log)
     outcomes = read_junit(junit)
     failed = sorted(t for t, o in outcomes.items() if o in ("failed", "error"))
     detail = summarize(outcomes)
@@ -276,6 +278,14 @@ def build_env(trees: Trees) -> tuple[bool, str, Path]:
     return True, rel(VENV), python
 
 
+def release_env(trees: Trees) -> tuple[bool, str, Path]:
+    """A series on another release is tested in an environment that meets
+    that release's requirements (.venv, or one under .work/venvs/)."""
+    common_txt = trees.base / "requirements" / "common.txt"
+    python = release_venv(trees.version, common_txt)
+    return True, rel(python.parent.parent), python
+
+
 def main() -> int:
     p = parser(__doc__)
     p.add_argument(
@@ -288,6 +298,11 @@ def main() -> int:
         "--skip-upstream",
         action="store_true",
         help="skip upstream's tests (the slowest step)",
+    )
+    p.add_argument(
+        "--slow",
+        action="store_true",
+        help="run only the tests marked slow (make test-slow)",
     )
     args = p.parse_args()
     series_list = (
@@ -307,17 +322,25 @@ def main() -> int:
         if all_trees
         else None
     )
-    if python is not None:
+    if python is not None and args.slow:
+        first = all_trees[0]
+        report.run("slow tests", lambda: project_tests(python, first, slow=True))
+    elif python is not None:
         first = all_trees[0]
         report.run("project tests", lambda: project_tests(python, first))
         report.run("ruff (scripts, tests)", lambda: ruff(["scripts", "tests"], ROOT))
         for t in all_trees:
             v = t.version
+            py = python
+            if t is not first:
+                py = report.run(f"environment v{v}", lambda t=t: release_env(t))
+                if py is None:
+                    continue
             if not args.skip_upstream:
                 report.run(
-                    f"upstream tests v{v}", lambda t=t: upstream_tests(python, t)
+                    f"upstream tests v{v}", lambda t=t, py=py: upstream_tests(py, t)
                 )
-            report.run(f"reproducers v{v}", lambda t=t: reproducers(python, t))
+            report.run(f"reproducers v{v}", lambda t=t, py=py: reproducers(py, t))
             report.run(f"series stable v{v}", lambda t=t: series_stable(t))
             report.run(f"ruff vLLM settings v{v}", lambda t=t: vllm_lint(t))
 
