@@ -26,19 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-from rebase import (
-    CLEAN,
-    CONFLICT,
-    MERGED,
-    RESOLUTIONS,
-    UPSTREAM,
-    am_in_progress,
-    build_old_series,
-    gitdir,
-    replay_one,
-    seed_resolutions,
-)
-
 from apply import checkout_release, fetch_base, init_tree
 from common import (
     CACHE,
@@ -55,6 +42,18 @@ from common import (
     step,
 )
 from fetch import ensure_base, resolve_release
+from rebase import (
+    CLEAN,
+    CONFLICT,
+    MERGED,
+    RESOLUTIONS,
+    UPSTREAM,
+    am_in_progress,
+    build_old_series,
+    gitdir,
+    replay_one,
+    seed_resolutions,
+)
 from series import BASE_FILE, Base, Series
 from testenv import reproducer_verdicts
 from venv import release_venv

@@ -17,74 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import rebase
-from conftest import UPSTREAM_FILES, Upstream, git
+from conftest import NEW_RELEASE, REPRODUCER, UPSTREAM_FILES, Upstream, git
 
+import rebase
 from apply import apply_series
 from common import ForkError
 from series import Series
 
-LINES = "".join(f"line {i}\n" for i in range(1, 41))
-REPRODUCER = "tests/reproducers/test_popleft.py::test_empty_pop_is_a_value_error"
-NEW_RELEASE = {
-    "vllm/v1/core/block_pool.py": LINES.replace("line 27\n", "line 27 (new)\n")
-    .replace("line 20\n", "line XX\n")
-    .replace("line 2\n", "line 2\nline 2.5\n"),
-    # Fixed upstream, but not as patch 3 does it.
-    "vllm/v1/core/kv_cache_utils.py": (
-        "def popleft_n(n):\n"
-        "    if n < 1:\n"
-        "        raise ValueError('nothing to pop')\n"
-        "    return n\n"
-    ),
-    "vllm/v1/core/new.py": "x = 1\n",
-}
 CONFLICT_RE = re.compile(r"^<<<<<<< .*?^>>>>>>> [^\n]*\n", re.M | re.S)
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Path:
-    """Where the reproducers live (the project root, for the test ids)."""
-    root = tmp_path / "project"
-    (root / "tests" / "reproducers").mkdir(parents=True)
-    (root / "tests" / "reproducers" / "test_popleft.py").write_text(
-        "import pytest\n"
-        "from vllm.v1.core.kv_cache_utils import popleft_n\n\n\n"
-        "def test_empty_pop_is_a_value_error():\n"
-        "    with pytest.raises(ValueError):\n"
-        "        popleft_n(0)\n"
-    )
-    return root
-
-
-@pytest.fixture
-def five(upstream: Upstream) -> Upstream:
-    """The series of five patches on 9.9.9."""
-    up = upstream
-    up.add_patch(
-        "vllm/v1/core/block_pool.py",
-        LINES.replace("line 35\n", "line thirty-five\n"),
-        "Clean: change line 35",
-    )
-    text = (up.tree / "vllm/v1/core/block_pool.py").read_text()
-    up.add_patch(
-        "vllm/v1/core/block_pool.py",
-        text.replace("line 29\n", "line twenty-nine\n"),
-        "Merged: change line 29",
-    )
-    up.add_patch(
-        "vllm/v1/core/kv_cache_utils.py",
-        "def popleft_n(n):\n    if not n:\n        raise ValueError(n)\n",
-        f"Fix: popleft_n raises ValueError\n\nReproducer: {REPRODUCER}",
-    )
-    up.add_patch("vllm/v1/core/new.py", "x = 1\n", "Add new.py")
-    text = (up.tree / "vllm/v1/core/block_pool.py").read_text()
-    up.add_patch(
-        "vllm/v1/core/block_pool.py",
-        text.replace("line 20\n", "line twenty\n"),
-        "Conflict: change line 20",
-    )
-    return up
 
 
 def start(up: Upstream, project: Path, tree: Path | None = None, into=None):
