@@ -20,6 +20,7 @@ misplaced is therefore caught by value when it is read, not by counting.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -120,6 +121,18 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
     )
 
 
+def shared_tensor(size: int, layers: list[str], page: int) -> KVCacheTensor:
+    """One KV cache tensor that every layer uses whole (the groups overlay).
+
+    Up to 0.24 that is `shared_by=layers`; from 0.30 a tensor places its
+    layers explicitly, and a layer stride of 0 puts them all on the same
+    bytes, which is what shared_by meant."""
+    fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
+    if "shared_by" in fields:
+        return KVCacheTensor(size=size, shared_by=layers)
+    return KVCacheTensor(size=size, layers=layers, layer_stride=0, block_stride=page)
+
+
 def make_kv_cache_config(cfg: HarnessConfig) -> KVCacheConfig:
     """One full-attention group, plus a sliding-window group when hybrid.
 
@@ -154,9 +167,7 @@ def make_kv_cache_config(cfg: HarnessConfig) -> KVCacheConfig:
     layers = [name for g in groups for name in g.layer_names]
     return KVCacheConfig(
         num_blocks=cfg.num_gpu_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(size=page * cfg.num_gpu_blocks, shared_by=layers)
-        ],
+        kv_cache_tensors=[shared_tensor(page * cfg.num_gpu_blocks, layers, page)],
         kv_cache_groups=groups,
     )
 
