@@ -502,7 +502,11 @@ def start(
     seeded = seed_resolutions(
         tree, [series.dir / RESOLUTIONS, into / RESOLUTIONS], started - 60
     )
-    build_old_series(tree, series)
+    try:
+        build_old_series(tree, series)
+    except ForkError:
+        restore_head(tree, orig_ref, orig_commit)
+        raise
     git(tree, "checkout", "-q", "-B", new.branch, new.tag)
     state = State(
         tree=str(tree),
@@ -590,7 +594,15 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
     state = State.load(tree)
     new = state.new
     if state.stopped_at < 0:
-        return finish(state)  # stopped before writing INTO: try again
+        pending = [i for i, e in enumerate(state.patches) if e.state == PENDING]
+        if not pending:
+            return finish(state)  # stopped before writing INTO: try again
+        # Interrupted between or inside patches (Ctrl-C): a half-done am of
+        # the tool's own is undone and that patch replayed.
+        if am_in_progress(tree):
+            am(tree, "--abort")
+        say(f"    resuming with {state.patches[pending[0]].name}")
+        return advance(state, pending[0])
     entry = state.patches[state.stopped_at]
     t = rel(tree)
     if am_in_progress(tree):
@@ -647,6 +659,9 @@ def finish(state: State) -> State:
     tree, new = state.tree_path, state.new
     into = Path(state.into)
     check_into(into)
+    unsettled = [e.name for e in state.patches if e.state in (PENDING, CONFLICT)]
+    if unsettled:  # never write a series that silently lacks a patch
+        raise ForkError(f"patches not through yet: {', '.join(unsettled)}")
     kept = [e for e in state.patches if e.state in (CLEAN, MERGED)]
     commits = git(tree, "rev-list", "--reverse", f"{new.tag}..HEAD").split()
     if len(commits) != len(kept):
@@ -733,10 +748,7 @@ def abort(tree: Path = DEFAULT_TREE) -> None:
         name = backup + "-resolved"
         git(tree, "branch", name, "HEAD")
         say(f"    the patches you resolved ({', '.join(by_hand)}) are kept on {name}")
-    if state.orig_ref:
-        git(tree, "checkout", "-q", "-f", state.orig_ref.removeprefix("refs/heads/"))
-    elif state.orig_commit:
-        git(tree, "checkout", "-q", "-f", "--detach", state.orig_commit)
+    restore_head(tree, state.orig_ref, state.orig_commit)
     branch = f"refs/heads/{state.new.branch}"
     if state.orig_ref == branch:
         git(tree, "reset", "-q", "--hard", state.orig_commit)
@@ -752,6 +764,14 @@ def abort(tree: Path = DEFAULT_TREE) -> None:
         f"{rel(Path(state.series))}/ and {rel(Path(state.into))}/ were not changed. "
         "Recorded resolutions stay in the tree for the next try."
     )
+
+
+def restore_head(tree: Path, ref: str, commit: str) -> None:
+    """Check out what was checked out: a branch, or a detached commit."""
+    if ref:
+        git(tree, "checkout", "-q", "-f", ref.removeprefix("refs/heads/"))
+    elif commit:
+        git(tree, "checkout", "-q", "-f", "--detach", commit)
 
 
 def unsaved_resolution(tree: Path) -> str | None:

@@ -280,3 +280,32 @@ def test_a_git_ref_as_the_new_base(five, project, tmp_path):
     assert (
         apply_series(Series(into, five.series.overlay), five.tree, five.cache) is False
     )
+
+
+def test_an_interrupted_replay_resumes_without_losing_a_patch(
+    five, project, monkeypatch
+):
+    real, calls = rebase.replay_one, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(args[1].name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C while patch 3 is replayed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rebase, "replay_one", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        start(five, project)
+    assert [s for _, s in states(five.tree)][2:] == ["pending"] * 3
+    monkeypatch.setattr(rebase, "replay_one", real)
+    with pytest.raises(ForkError, match="0005-Conflict"):
+        rebase.resume(five.tree)
+    resolve_by_hand(five.tree)
+    state = rebase.resume(five.tree)
+    assert [e.state for e in state.patches] == [
+        "clean",
+        "merged",
+        "upstream",
+        "upstream",
+        "merged",
+    ]
