@@ -10,3 +10,22 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "scripts")]
+
+try:  # hypothesis budgets: small in `make test`, larger in `make soak`
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "ci", max_examples=40, stateful_step_count=30, deadline=None
+    )
+    settings.register_profile(
+        "soak",
+        max_examples=600,
+        stateful_step_count=80,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    import os
+
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # the tooling tests run without hypothesis too
+    pass
