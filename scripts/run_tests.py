@@ -41,11 +41,11 @@ from common import (
 )
 from common import run as run_cmd
 from refresh import refresh_series
-from series import Series
+from series import TRACKED_PATHS, Series
 from testenv import count, read_junit, run_pytest
 from venv import VENV, ensure_venv
 
-UPSTREAM_TESTS = ["tests/v1/core", "tests/v1/simple_kv_offload"]
+UPSTREAM_TESTS = [p for p in TRACKED_PATHS if p.startswith("tests/")]
 REPRODUCERS = ROOT / "tests" / "reproducers"
 LOGS = WORK / "logs"
 

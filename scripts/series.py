@@ -13,6 +13,23 @@ from common import OVERLAY, ForkError, rel
 BASE_FILE = "base.toml"
 BASE_KEYS = ("version", "sdist_url", "sdist_sha256", "git_url", "git_ref")
 TRAILER_RE = re.compile(r"^([A-Za-z][A-Za-z0-9-]*): (.+)$")
+# The upstream paths the series is about: what `import` keeps of an upstream
+# fix, and where upstream's own tests of that code live.
+TRACKED_PATHS = (
+    "vllm/v1/core",
+    "vllm/v1/simple_kv_offload",
+    "tests/v1/core",
+    "tests/v1/simple_kv_offload",
+)
+# An Upstream-Status value starting with one of these (any case) says the fix
+# exists upstream (e.g. "backport of vllm-project/vllm#12345, in 0.24.0"):
+# `export` skips such a patch.
+UPSTREAM_STATUS_PREFIXES = ("upstream", "backport")
+
+
+def is_tracked(path: str) -> bool:
+    """Whether a repository path lies under one of TRACKED_PATHS."""
+    return any(path == t or path.startswith(t + "/") for t in TRACKED_PATHS)
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,17 @@ class Patch:
 
     def reproducers(self) -> list[str]:
         return self.trailers().get("Reproducer", [])
+
+    @property
+    def number(self) -> int:
+        return int(self.name[:4])
+
+    def upstream_status(self) -> str:
+        return " ".join(self.trailers().get("Upstream-Status", []))
+
+    def is_upstream(self) -> bool:
+        """The fix exists upstream (see UPSTREAM_STATUS_PREFIXES)."""
+        return self.upstream_status().lower().startswith(UPSTREAM_STATUS_PREFIXES)
 
 
 @dataclass(frozen=True)
