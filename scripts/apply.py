@@ -286,6 +286,21 @@ def apply_series(
     return True
 
 
+def scratch_tree(series: Series, dest: Path, cache: Path = CACHE) -> Path:
+    """A throwaway tree built from `series` in the new directory `dest`.
+
+    It borrows the objects of the cache repository (git clone --shared)
+    instead of copying them: seconds instead of a full import. Only for
+    short-lived trees, which the cache must outlive.
+    """
+    base = series.base()
+    upstream = ensure_base(base, series.base_file, cache)
+    run(["git", "clone", "-q", "--shared", "--no-checkout", upstream, dest])
+    git(dest, "config", MANAGED_KEY, "true")
+    apply_series(series, dest, cache)
+    return dest
+
+
 def checkout_base(series: Series, tree: Path, cache: Path = CACHE) -> None:
     """Make `tree` a checkout of the series' bare upstream base (no patches)."""
     base = series.base()

@@ -332,13 +332,13 @@ def build_wheel(
     label: str | None = None,
 ) -> tuple[Path, Path, PackageChanges]:
     """Build and check the patched wheel: (patched, upstream, changes)."""
+    if upstream is not None and not upstream.is_file():
+        raise ForkError(f"--upstream-wheel {upstream}: no such file")
     tree = ship_tree(series, tree)
     changes = package_changes(tree, series)
     if upstream is None:
         step(f"upstream's vllm {changes.version} wheel")
         upstream = upstream_wheel(Path(sys.executable), changes.version)
-    elif not upstream.is_file():
-        raise ForkError(f"--upstream-wheel {upstream}: no such file")
     say(f"    {rel(upstream)} ({upstream.stat().st_size / 1e6:.1f} MB)")
     step(f"repacking with the series' files ({changes.summary()})")
     out = repack(upstream, tree, changes, label or local_label(series), out_dir)

@@ -207,12 +207,12 @@ def vllm_lint(trees: Trees) -> tuple[bool, str]:
     return ruff(files, trees.patched)
 
 
-def project_tests(python: Path, trees: Trees) -> tuple[bool, str]:
-    junit, log = LOGS / "project.xml", LOGS / "project.log"
+def project_tests(python: Path, trees: Trees, slow: bool = False) -> tuple[bool, str]:
+    name = "project-slow" if slow else "project"
+    junit, log = LOGS / f"{name}.xml", LOGS / f"{name}.log"
     junit.unlink(missing_ok=True)
-    code = run_pytest(
-        python, trees.patched, ROOT, junit, ["tests", f"--ignore={REPRODUCERS}"], log
-    )
+    args = ["tests", f"--ignore={REPRODUCERS}", *(["-m", "slow"] if slow else [])]
+    code = run_pytest(python, trees.patched, ROOT, junit, args, log)
     outcomes = read_junit(junit)
     failed = sorted(t for t, o in outcomes.items() if o in ("failed", "error"))
     detail = summarize(outcomes)
@@ -281,6 +281,11 @@ def main() -> int:
         help="series to test (repeatable; default: all)",
     )
     p.add_argument(
+        "--slow",
+        action="store_true",
+        help="run only the project's tests marked slow (make test-slow)",
+    )
+    p.add_argument(
         "--skip-upstream",
         action="store_true",
         help="skip upstream's tests (the slowest step)",
@@ -303,7 +308,10 @@ def main() -> int:
         if all_trees
         else None
     )
-    if python is not None:
+    if python is not None and args.slow:
+        first = all_trees[0]
+        report.run("slow project tests", lambda: project_tests(python, first, True))
+    elif python is not None:
         first = all_trees[0]
         report.run("project tests", lambda: project_tests(python, first))
         report.run("ruff (scripts, tests)", lambda: ruff(["scripts", "tests"], ROOT))

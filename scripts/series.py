@@ -25,6 +25,14 @@ TRACKED_PATHS = (
 # exists upstream (e.g. "backport of vllm-project/vllm#12345, in 0.24.0"):
 # `export` skips such a patch.
 UPSTREAM_STATUS_PREFIXES = ("upstream", "backport")
+# Trailers the fork adds to a patch's message; an upstream commit drops them.
+FORK_TRAILERS = (
+    "Upstream-Status",
+    "Upstream-Issue",
+    "Upstream-PR",
+    "Upstream-Commit",
+    "Reproducer",
+)
 
 
 def is_tracked(path: str) -> bool:
