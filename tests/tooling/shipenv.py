@@ -13,6 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -105,6 +106,16 @@ class Env:
             check=check,
         )
 
+    def run_shell(self, script: str) -> subprocess.CompletedProcess:
+        """A shell command line with the same environment (e.g. a RUN line)."""
+        return subprocess.run(
+            ["bash", "-c", script],
+            cwd=ROOT,
+            env={**_base_env(), **package_env()},
+            capture_output=True,
+            text=True,
+        )
+
     def eval(self, code: str) -> str:
         proc = subprocess.run(
             [str(self.python), "-P", "-c", code], capture_output=True, text=True
@@ -187,3 +198,44 @@ def reproducer_ids(series: Series) -> list[str]:
 
 def head(tree: Path) -> str:
     return git(tree, "rev-parse", "HEAD")
+
+
+def commit_files(
+    repo: Path,
+    parent: str,
+    files: dict[str, str | None],
+    message: str,
+    author: str = "Up Stream <up@example.com>",
+) -> str:
+    """A commit on `parent` changing `files` (None deletes), without a checkout."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        name, email = author[:-1].split(" <")
+        env |= {
+            "GIT_AUTHOR_NAME": name,
+            "GIT_AUTHOR_EMAIL": email,
+            "GIT_COMMITTER_NAME": name,
+            "GIT_COMMITTER_EMAIL": email,
+            "GIT_AUTHOR_DATE": "1767225600 +0000",
+            "GIT_COMMITTER_DATE": "1767225600 +0000",
+        }
+        git(repo, "read-tree", parent, env=env)
+        for path, text in files.items():
+            if text is None:
+                git(repo, "update-index", "--force-remove", path, env=env)
+                continue
+            blob = git(repo, "hash-object", "-w", "--stdin", input=text)
+            git(repo, "update-index", "--add", "--cacheinfo", f"100644,{blob},{path}",
+                env=env)  # fmt: skip
+        tree = git(repo, "write-tree", env=env)
+        return git(repo, "commit-tree", tree, "-p", parent, "-m", message, env=env)
+
+
+def shared_clone(source: Path, dest: Path) -> Path:
+    """A clone borrowing `source`'s objects, without a checkout (fast)."""
+    git(source, "clone", "-q", "--shared", "--no-checkout", str(source), str(dest))
+    return dest
+
+
+def blob_text(repo: Path, rev: str, path: str) -> str:
+    return git_bytes(repo, "show", f"{rev}:{path}").decode()
