@@ -27,6 +27,7 @@ the series (same upstream commit or same diff), one that does not apply.
 from __future__ import annotations
 
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,13 +230,14 @@ def next_number(series: Series) -> int:
 
 
 def apply_mails(tree: Path, mails: list[Mail], keep: Path) -> None:
-    """git am the filtered mails at the tree's HEAD, or explain the conflict."""
-    keep.parent.mkdir(parents=True, exist_ok=True)
-    keep.write_bytes(
+    """git am the filtered mails at the tree's HEAD, or explain the conflict
+    (keeping the filtered patch as `keep`, to apply by hand)."""
+    mbox = tree.parent / "filtered.patch"
+    mbox.write_bytes(
         "".join(m.text() for m in mails).encode("utf-8", "surrogateescape")
     )
     am = run(
-        ["git", "-C", tree, "am", "-q", "-3", "--keep-non-patch", keep],
+        ["git", "-C", tree, "am", "-q", "-3", "--keep-non-patch", mbox],
         env=tool_identity_env(),
         check=False,
     )
@@ -248,6 +250,8 @@ def apply_mails(tree: Path, mails: list[Mail], keep: Path) -> None:
         raise ForkError(
             "the change is already in the series: applying it changes nothing"
         )
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(mbox, keep)
     raise ForkError(
         "the change does not apply to the series"
         + (f" (conflicts in {', '.join(files)})" if files else "")
@@ -334,7 +338,6 @@ def import_change(
         made = format_patches(tree, [commit], Path(tmp) / "out", start=number)[0]
         dest = series.dir / made.name
         dest.write_bytes(made.read_bytes())
-    (WORK / "import" / f"{number:04d}-filtered.patch").unlink(missing_ok=True)
     return dest
 
 

@@ -185,6 +185,8 @@ def repack(
         check_against_release(zin, tree, changes)
         old_info = dist_info_dir(zin)
         new_info = f"{name}-{new_version}.dist-info/"
+        # A wheel's <name>-<version>.data/ directory is named by version too.
+        old_data, new_data = f"{name}-{version}.data/", f"{name}-{new_version}.data/"
         writer = WheelWriter(part)
         try:
             infos = zin.infolist()
@@ -201,8 +203,11 @@ def repack(
                     say(f"    {info.filename} ({info.file_size / 1e6:.0f} MB)")
                 elif n % 1000 == 0:
                     say(f"    {n}/{total} files")
+                target = info.filename
+                if target.startswith(old_data):
+                    target = new_data + target[len(old_data) :]
                 with zin.open(info) as src:
-                    writer.copy_stream(_copy_info(info, info.filename), src)
+                    writer.copy_stream(_copy_info(info, target), src)
             # New files get the date of the release's own METADATA: a fixed
             # input, so the same series always gives the same wheel bytes.
             stamp = zin.getinfo(old_info + "METADATA")
@@ -273,11 +278,12 @@ def compare_wheels(original: Path, patched: Path) -> WheelDiff:
         a_info, b_info = dist_info_dir(a), dist_info_dir(b)
 
         def key(name: str, info_dir: str) -> str:
-            return (
-                "<dist-info>/" + name[len(info_dir) :]
-                if name.startswith(info_dir)
-                else name
-            )
+            """The name with the version-named directories made neutral."""
+            data_dir = info_dir.removesuffix(".dist-info/") + ".data/"
+            for prefix, neutral in ((info_dir, "<dist-info>/"), (data_dir, "<data>/")):
+                if name.startswith(prefix):
+                    return neutral + name[len(prefix) :]
+            return name
 
         left = {key(i.filename, a_info): i for i in a.infolist()}
         right = {key(i.filename, b_info): i for i in b.infolist()}

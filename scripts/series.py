@@ -101,8 +101,11 @@ class Patch:
         return head
 
     def subject(self) -> str:
-        m = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*)$", self.message(), re.M)
-        return m.group(1) if m else self.name
+        # A long subject is folded onto indented continuation lines.
+        m = re.search(
+            r"^Subject: (?:\[PATCH[^\]]*\] )?(.*(?:\n .*)*)$", self.message(), re.M
+        )
+        return " ".join(m.group(1).split()) if m else self.name
 
     def trailers(self) -> dict[str, list[str]]:
         """`Key: value` lines of the message's last paragraph."""

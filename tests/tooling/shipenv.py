@@ -45,6 +45,8 @@ def build_upstream_like_wheel(tree: Path, series: Series, dest: Path) -> Path:
     files.append(("vllm/_version.py", f"__version__ = '{version}'\n".encode(), 0o644))
     files.append((FAKE_KERNEL, random.Random(0).randbytes(300_000), 0o755))
     info = f"vllm-{version}.dist-info"
+    # Named by version like the dist-info: repack must rename it too.
+    files.append((f"vllm-{version}.data/data/share/vllm-fork-test.txt", b"x\n", 0o644))
     files += [
         (
             f"{info}/METADATA",

@@ -50,8 +50,12 @@ def test_name_and_version_carry_the_fork_label(series, patched):
         f"vllm-{version}+{label}-cp38-abi3-manylinux_2_35_x86_64.whl"
     )
     with zipfile.ZipFile(patched) as zf:
-        infos = {n.split("/")[0] for n in zf.namelist() if ".dist-info/" in n}
-        assert infos == {f"vllm-{version}+{label}.dist-info"}
+        tops = {n.split("/")[0] for n in zf.namelist()}
+        assert tops == {
+            "vllm",
+            f"vllm-{version}+{label}.dist-info",
+            f"vllm-{version}+{label}.data",
+        }
         metadata = zf.read(f"vllm-{version}+{label}.dist-info/METADATA").decode()
     assert f"\nVersion: {version}+{label}\n" in metadata
 
