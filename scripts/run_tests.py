@@ -13,6 +13,9 @@ For every series (default: patches/ and any series under patches/v*/):
 Then, once: the project's own tests (tests/, with the first series' tree)
 and ruff on scripts/ and tests/. Ends with a summary table; exits non-zero
 if any step failed. Logs are in .work/logs/.
+
+--slow (make test-slow) runs only the project's tests marked slow, e.g. the
+patched wheel made from upstream's real 244 MB wheel.
 """
 
 from __future__ import annotations

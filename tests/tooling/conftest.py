@@ -36,11 +36,10 @@ def upstream_like_wheel(
 
 @pytest.fixture
 def make_env(tmp_path: Path):
-    made = []
+    """Makes fresh virtual environments under the test's tmp_path."""
 
     def make(name: str = "env") -> Env:
-        made.append(Env(tmp_path / name))
-        return made[-1]
+        return Env(tmp_path / name)
 
     return make
 

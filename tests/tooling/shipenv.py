@@ -227,8 +227,8 @@ def commit_files(
                 git(repo, "update-index", "--force-remove", path, env=env)
                 continue
             blob = git(repo, "hash-object", "-w", "--stdin", input=text)
-            git(repo, "update-index", "--add", "--cacheinfo", f"100644,{blob},{path}",
-                env=env)  # fmt: skip
+            entry = f"100644,{blob},{path}"
+            git(repo, "update-index", "--add", "--cacheinfo", entry, env=env)
         tree = git(repo, "write-tree", env=env)
         return git(repo, "commit-tree", tree, "-p", parent, "-m", message, env=env)
 

@@ -185,3 +185,9 @@ def test_cli_help():
         text=True,
     )
     assert proc.returncode == 0 and "docker build" in proc.stdout
+    installer = subprocess.run(
+        [sys.executable, ROOT / "scripts" / "image_install.py", "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert installer.returncode == 0 and "manifest.json" in installer.stdout
