@@ -74,6 +74,20 @@ def operation_in_progress(tree: Path) -> str | None:
     return None
 
 
+def fetch_base(tree: Path, base: Base, upstream: Path) -> None:
+    """Bring the upstream commit into the tree as refs/remotes/<base.tag>."""
+    if git_ok(tree, "rev-parse", "-q", "--verify", f"refs/tags/{base.tag}"):
+        git(tree, "tag", "-d", base.tag)  # trees made before this layout
+    git(
+        tree,
+        "fetch",
+        "-q",
+        "--no-tags",
+        str(upstream),
+        f"+refs/tags/{base.tag}:{base.tree_ref}",
+    )
+
+
 def check_clean(tree: Path) -> None:
     op = operation_in_progress(tree)
     if op:
@@ -117,7 +131,14 @@ def unsaved_commits(tree: Path, head: str, exclude: str, series: Series) -> list
     when an identical change is a patch of the series (same patch-id).
     """
     revs = git(
-        tree, "rev-list", head, "--not", f"--exclude={exclude}", "--branches", "--tags"
+        tree,
+        "rev-list",
+        head,
+        "--not",
+        f"--exclude={exclude}",
+        "--branches",
+        "--tags",
+        "--remotes",
     ).split()
     if not revs:
         return []
@@ -236,18 +257,7 @@ def apply_series(
         )
         return False
 
-    upstream = ensure_base(base, series.base_file, cache, source)
-    git(
-        tree,
-        "fetch",
-        "-q",
-        "--no-tags",
-        str(upstream),
-        f"+refs/tags/{base.tag}:refs/tags/{base.tag}",
-    )
-    # setuptools-scm derives the installed version from a vX.Y.Z tag.
-    if not git_ok(tree, "rev-parse", "-q", "--verify", f"refs/tags/v{base.version}"):
-        git(tree, "tag", f"v{base.version}", base.tag)
+    fetch_base(tree, base, ensure_base(base, series.base_file, cache, source))
 
     keep_user_work(tree, base, series)
     step(
@@ -279,6 +289,9 @@ def apply_series(
             raise conflict_error(tree, base, patches)
     date = git(tree, "log", "-1", "--format=%ad", "--date=raw")
     lay_overlay(tree, series, fingerprint, date)
+    # setuptools-scm takes the installed version from the nearest vX.Y.Z tag:
+    # the patched tree installs as X.Y.Z (plus vLLM's +empty/+precompiled).
+    git(tree, "tag", "-f", f"v{base.version}", "HEAD")
     say(
         f"{rel(tree)}/ ready: {git(tree, 'rev-parse', '--short', 'HEAD')} "
         f"({base.branch}, series {fingerprint})"
@@ -295,7 +308,9 @@ def scratch_tree(series: Series, dest: Path, cache: Path = CACHE) -> Path:
     """
     base = series.base()
     upstream = ensure_base(base, series.base_file, cache)
-    run(["git", "clone", "-q", "--shared", "--no-checkout", upstream, dest])
+    run(
+        ["git", "clone", "-q", "--shared", "--no-checkout", "--no-tags", upstream, dest]
+    )
     git(dest, "config", MANAGED_KEY, "true")
     apply_series(series, dest, cache)
     return dest
@@ -310,15 +325,7 @@ def checkout_base(series: Series, tree: Path, cache: Path = CACHE) -> None:
         tree, "rev-parse", f"{base.tag}^{{commit}}", check=False
     ):
         return
-    upstream = ensure_base(base, series.base_file, cache)
-    git(
-        tree,
-        "fetch",
-        "-q",
-        "--no-tags",
-        str(upstream),
-        f"+refs/tags/{base.tag}:refs/tags/{base.tag}",
-    )
+    fetch_base(tree, base, ensure_base(base, series.base_file, cache))
     git(tree, "checkout", "-q", "--detach", base.tag)
 
 

@@ -155,6 +155,17 @@ def ensure_base(
     """Make sure upstream/v<version> exists in the cache repo; return the repo."""
     repo = upstream_repo(cache)
     if git_ok(repo, "rev-parse", "-q", "--verify", f"refs/tags/{base.tag}"):
+        message = git(repo, "log", "-1", "--format=%B", base.tag)
+        if (
+            source == "sdist"
+            and "sha256" in message
+            and base.sdist_sha256 not in message
+        ):
+            raise ForkError(
+                f"{rel(repo)} holds {base.tag} imported from another sdist than the "
+                f"one pinned in {rel(base_file)} ({base.sdist_sha256[:12]}...).\n"
+                f"Delete the tag (git -C {rel(repo)} tag -d {base.tag}) to re-import."
+            )
         return repo
     step(f"importing upstream vLLM {base.version} ({source})")
     if source == "git":

@@ -54,7 +54,7 @@ FORMAT_PATCH = [
 def series_commits(tree: Path, series: Series) -> list[str]:
     """The tree's commits after the base that make up the series, in order."""
     base = series.base()
-    if not git_ok(tree, "rev-parse", "-q", "--verify", f"refs/tags/{base.tag}"):
+    if not git_ok(tree, "rev-parse", "-q", "--verify", base.tree_ref):
         raise ForkError(f"{rel(tree)}/ has no {base.tag}: run `make apply` first")
     if not git_ok(tree, "merge-base", "--is-ancestor", base.tag, "HEAD"):
         raise ForkError(

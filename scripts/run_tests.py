@@ -182,13 +182,17 @@ def series_stable(trees: Trees) -> tuple[bool, str]:
     return True, "refresh after apply changes no byte"
 
 
-def ruff(files: list[str], cwd: Path) -> tuple[bool, str]:
+def ruff(paths: list[str], cwd: Path) -> tuple[bool, str]:
+    """ruff check and ruff format --check, with the settings that apply in cwd."""
     ruff_bin = str(VENV / "bin" / "ruff")
+    files = run_cmd(
+        [ruff_bin, "check", "--show-files", *paths], cwd=cwd, check=False
+    ).stdout.split()
     if not files:
         return True, "no Python files"
-    check = run_cmd([ruff_bin, "check", "--quiet", *files], cwd=cwd, check=False)
+    check = run_cmd([ruff_bin, "check", "--quiet", *paths], cwd=cwd, check=False)
     fmt = run_cmd(
-        [ruff_bin, "format", "--check", "--quiet", *files], cwd=cwd, check=False
+        [ruff_bin, "format", "--check", "--quiet", *paths], cwd=cwd, check=False
     )
     out = (check.stdout + check.stderr + fmt.stdout + fmt.stderr).strip()
     ok = check.returncode == 0 and fmt.returncode == 0

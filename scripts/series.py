@@ -52,8 +52,14 @@ class Base:
 
     @property
     def tag(self) -> str:
-        """Tag of the imported upstream commit."""
+        """Name of the imported upstream commit: a tag in the cache repository;
+        in a tree, refs/remotes/<tag>, so `git describe` (setuptools-scm) does
+        not take it for the package version."""
         return f"upstream/v{self.version}"
+
+    @property
+    def tree_ref(self) -> str:
+        return f"refs/remotes/{self.tag}"
 
     @property
     def branch(self) -> str:
@@ -63,7 +69,10 @@ class Base:
     def to_toml(self) -> str:
         lines = ["# Pinned upstream base of this patch series (see README.md)."]
         for key in BASE_KEYS:
-            lines.append(f'{key} = "{getattr(self, key)}"')
+            value = getattr(self, key) or (
+                f"v{self.version}" if key == "git_ref" else ""
+            )
+            lines.append(f'{key} = "{value}"')
         return "\n".join(lines) + "\n"
 
 

@@ -1,19 +1,98 @@
-"""Fixtures for the shipping tools' tests: trees, wheels, fresh environments.
+"""Fixtures for the tooling tests.
 
-Trees are throwaway (scratch_tree borrows the cache's objects), so the
-tests never touch vllm/ or .work/, which `make test` runs against.
+- `upstream`: a small synthetic upstream release and a series on top of it
+  (fetch, apply, refresh);
+- `series`, `tree`, `upstream_like_wheel`, `make_env`, `git_identity`: the
+  real series built in a throwaway tree (scratch_tree borrows the cache's
+  objects, so vllm/ and .work/, which `make test` runs against, are never
+  touched), an upstream-like wheel and fresh venvs (wheel, overlay, export,
+  import).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import subprocess
+import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from apply import scratch_tree
 from common import DEFAULT_SERIES
-from series import Series
+from series import Base, Series
 from shipenv import Env, build_upstream_like_wheel
+
+UPSTREAM_FILES = {
+    "setup.py": "print('setup')\n",
+    "vllm/__init__.py": "",
+    "vllm/v1/core/block_pool.py": "".join(f"line {i}\n" for i in range(1, 41)),
+    "vllm/v1/core/kv_cache_utils.py": "def popleft_n(n):\n    assert n\n",
+    "tests/v1/core/test_block_pool.py": "def test_nothing():\n    pass\n",
+    "vllm.egg-info/PKG-INFO": "generated\n",
+    "PKG-INFO": "Name: vllm\n",
+}
+
+
+def make_sdist(dest: Path, version: str, files: dict[str, str]) -> Path:
+    """A tarball shaped like upstream's sdist: one top folder vllm-<version>."""
+    path = dest / f"vllm-{version}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in sorted(files.items()):
+            data = text.encode()
+            info = tarfile.TarInfo(f"vllm-{version}/{name}")
+            info.size, info.mtime, info.mode = len(data), 1_700_000_000, 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, text=True, capture_output=True
+    ).stdout.strip()
+
+
+@dataclass
+class Upstream:
+    series: Series
+    cache: Path
+    tree: Path
+    sdist: Path
+
+    def commit_in_tree(self, path: str, text: str, message: str) -> None:
+        file = self.tree / path
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(text)
+        git(self.tree, "add", path)
+        git(self.tree, "commit", "-q", "-m", message)
+
+
+@pytest.fixture
+def upstream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Upstream:
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "Test User")
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "user@example.com")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "Test User")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "user@example.com")
+    sdist = make_sdist(tmp_path, "9.9.9", UPSTREAM_FILES)
+    series_dir = tmp_path / "patches"
+    series_dir.mkdir()
+    overlay = tmp_path / "overlay"
+    (overlay / "vllm").mkdir(parents=True)
+    (overlay / "vllm" / "_fork.py").write_text("FORK = 'test'\n")
+    base = Base(version="9.9.9", sdist_url=sdist.as_uri(), sdist_sha256=sha256(sdist))
+    (series_dir / "base.toml").write_text(base.to_toml())
+    return Upstream(
+        Series(series_dir, overlay=overlay),
+        tmp_path / "cache",
+        tmp_path / "vllm",
+        sdist,
+    )
 
 
 @pytest.fixture(scope="session")

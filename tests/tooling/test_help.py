@@ -1,0 +1,31 @@
+"""Every script answers --help."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+CLIS = sorted(
+    p.name for p in SCRIPTS.glob("*.py") if "main_guard(main)" in p.read_text()
+)
+
+
+def test_there_are_scripts():
+    assert {"apply.py", "fetch.py", "refresh.py", "run_tests.py"} <= set(CLIS)
+
+
+@pytest.mark.parametrize("script", CLIS)
+def test_help(script):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage:")
+    assert len(proc.stdout.splitlines()) > 3
