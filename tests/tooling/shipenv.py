@@ -236,6 +236,15 @@ def commit_files(
 def shared_clone(source: Path, dest: Path) -> Path:
     """A clone borrowing `source`'s objects, without a checkout (fast)."""
     git(source, "clone", "-q", "--shared", "--no-checkout", str(source), str(dest))
+    # The tree keeps the upstream base as refs/remotes/upstream/v<ver>, which
+    # a clone leaves behind.
+    git(
+        dest,
+        "fetch",
+        "-q",
+        str(source),
+        "+refs/remotes/upstream/*:refs/remotes/upstream/*",
+    )
     return dest
 
 

@@ -27,7 +27,13 @@ from repack import (
     verify_record,
 )
 from series import Series
-from shipenv import FAKE_KERNEL, patch_paths, reproducer_ids
+from shipenv import (
+    FAKE_KERNEL,
+    commit_files,
+    patch_paths,
+    reproducer_ids,
+    shared_clone,
+)
 
 
 def sha(path: Path) -> str:
@@ -147,10 +153,11 @@ def test_refuses_a_bad_label(series, tree, upstream_like_wheel, tmp_path):
 
 
 def test_refuses_a_series_that_changes_kernel_sources(series, tree, tmp_path):
-    clone = tmp_path / "clone"
-    git(tree.parent, "clone", "-q", "--shared", str(tree), str(clone))
-    (clone / "csrc" / "cache_kernels.cu").write_text("// changed\n")
-    git(clone, "commit", "-qam", "touch a kernel", "--author", "A <a@example.com>")
+    clone = shared_clone(tree, tmp_path / "clone")
+    kernel = commit_files(
+        clone, "HEAD", {"csrc/cache_kernels.cu": "// changed\n"}, "touch a kernel"
+    )
+    git(clone, "update-ref", "HEAD", kernel)
     with pytest.raises(ForkError, match=r"csrc/cache_kernels\.cu .*compiled"):
         package_changes(clone, series)
 
