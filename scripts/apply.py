@@ -250,7 +250,9 @@ def apply_series(
     init_tree(tree)
     check_clean(tree)
     on_branch = git(tree, "symbolic-ref", "-q", "--short", "HEAD", check=False)
-    if on_branch == base.branch and head_fingerprint(tree) == fingerprint:
+    # A tree made before the base moved to refs/remotes/ is rebuilt once.
+    has_base = git_ok(tree, "rev-parse", "-q", "--verify", base.tree_ref)
+    if on_branch == base.branch and head_fingerprint(tree) == fingerprint and has_base:
         say(
             f"{rel(tree)}/ is up to date ({base.branch}, {len(patches)} patches, "
             f"series {fingerprint}); nothing to do"
