@@ -5,9 +5,12 @@
 PYTHON ?= python3
 SERIES ?= patches
 TREE ?= vllm
+# Extra arguments for a script, e.g. make export ARGS="--onto main"
+ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help fetch apply refresh install venv test clean
+.PHONY: help fetch apply refresh install venv test test-slow wheel overlay \
+	export import clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -30,6 +33,21 @@ venv: ## create .venv with torch and vLLM's build requirements
 
 test: ## tooling tests, upstream tests on base and series, reproducers, lint
 	$(PYTHON) scripts/run_tests.py
+
+test-slow: ## slow tests: upstream's real wheel repacked, installed and tested
+	$(PYTHON) scripts/run_tests.py --slow
+
+wheel: ## patched wheel from upstream's released one, into dist/
+	$(PYTHON) scripts/repack.py --series $(SERIES) $(ARGS)
+
+overlay: ## container build context over upstream's image, into dist/
+	$(PYTHON) scripts/container.py --series $(SERIES) $(ARGS)
+
+export: apply ## a branch, .patch and PR text per patch for upstream (ARGS=--onto/--upstream)
+	$(PYTHON) scripts/export.py --series $(SERIES) --tree $(TREE) $(ARGS)
+
+import: ## add an upstream fix as the next patch (ARGS="--repo CLONE RANGE" or ARGS=FILE)
+	$(PYTHON) scripts/import_patch.py --series $(SERIES) $(ARGS)
 
 clean: ## remove generated work trees and logs (keeps vllm/, .venv, .cache)
 	rm -rf .work
