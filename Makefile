@@ -5,10 +5,12 @@
 PYTHON ?= python3
 SERIES ?= patches
 TREE ?= vllm
+# Extra arguments for a script, e.g. make export ARGS="--onto main"
+ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-slow rebase rebase-continue \
-	rebase-abort matrix clean
+	rebase-abort matrix wheel overlay export import clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -33,8 +35,20 @@ venv: ## create .venv with torch and vLLM's build requirements
 test: ## tooling tests, upstream tests on base and series, reproducers, lint
 	$(PYTHON) scripts/run_tests.py
 
-test-slow: ## the slow tests (the real 0.20.2 -> 0.33.0 rebase)
+test-slow: ## slow tests: the real 0.20.2 -> 0.33.0 rebase; upstream's wheel repacked
 	$(PYTHON) scripts/run_tests.py --slow
+
+wheel: ## patched wheel from upstream's released one, into dist/
+	$(PYTHON) scripts/repack.py --series $(SERIES) $(ARGS)
+
+overlay: ## container build context over upstream's image, into dist/
+	$(PYTHON) scripts/container.py --series $(SERIES) $(ARGS)
+
+export: apply ## a branch, .patch and PR text per patch for upstream (ARGS=--onto/--upstream)
+	$(PYTHON) scripts/export.py --series $(SERIES) --tree $(TREE) $(ARGS)
+
+import: ## add an upstream fix as the next patch (ARGS="--repo CLONE RANGE" or ARGS=FILE)
+	$(PYTHON) scripts/import_patch.py --series $(SERIES) $(ARGS)
 
 rebase: ## move the series onto another release: make rebase BASE=0.33.0
 	@test -n "$(BASE)" || { echo "usage: make rebase BASE=<release or git ref> [INTO=dir]"; exit 2; }

@@ -302,7 +302,9 @@ def apply_series(
     init_tree(tree)
     check_clean(tree)
     on_branch = git(tree, "symbolic-ref", "-q", "--short", "HEAD", check=False)
-    if on_branch == base.branch and head_fingerprint(tree) == fingerprint:
+    # A tree made before the base moved to refs/remotes/ is rebuilt once.
+    has_base = git_ok(tree, "rev-parse", "-q", "--verify", base.tree_ref)
+    if on_branch == base.branch and head_fingerprint(tree) == fingerprint and has_base:
         say(
             f"{rel(tree)}/ is up to date ({base.branch}, {len(patches)} patches, "
             f"series {fingerprint}); nothing to do"
@@ -332,6 +334,23 @@ def apply_series(
         f"({base.branch}, series {fingerprint})"
     )
     return True
+
+
+def scratch_tree(series: Series, dest: Path, cache: Path = CACHE) -> Path:
+    """A throwaway tree built from `series` in the new directory `dest`.
+
+    It borrows the objects of the cache repository (git clone --shared)
+    instead of copying them: seconds instead of a full import. Only for
+    short-lived trees, which the cache must outlive.
+    """
+    base = series.base()
+    upstream = ensure_base(base, series.base_file, cache)
+    run(
+        ["git", "clone", "-q", "--shared", "--no-checkout", "--no-tags", upstream, dest]
+    )
+    git(dest, "config", MANAGED_KEY, "true")
+    apply_series(series, dest, cache)
+    return dest
 
 
 def checkout_release(

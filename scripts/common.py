@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +17,10 @@ DEFAULT_TREE = ROOT / "vllm"
 OVERLAY = ROOT / "overlay"
 CACHE = Path(os.environ.get("VLLM_FORK_CACHE", ROOT / ".cache"))
 WORK = ROOT / ".work"
+DIST = ROOT / "dist"
+# Marks a directory a tool writes whole (a build context, an export), so a
+# later run may empty it while refusing to empty anything else.
+OUTPUT_MARKER = ".vllm-fork-output"
 
 # Commits the tooling makes (upstream imports, applied patches, the overlay)
 # use a fixed identity, so the same inputs give the same commit ids anywhere.
@@ -92,6 +97,19 @@ def git(
     return proc.stdout.rstrip("\n")
 
 
+def git_bytes(repo: Path, *args: str | os.PathLike) -> bytes:
+    """Run git in `repo` and return its raw stdout (file contents)."""
+    proc = subprocess.run(
+        ["git", "-C", str(repo), *map(str, args)], capture_output=True, check=False
+    )
+    if proc.returncode != 0:
+        raise ForkError(
+            f"command failed ({proc.returncode}): git -C {repo} "
+            f"{' '.join(map(str, args))}\n{proc.stderr.decode(errors='replace')}"
+        )
+    return proc.stdout
+
+
 def git_ok(repo: Path, *args: str) -> bool:
     return run(["git", "-C", repo, *args], check=False).returncode == 0
 
@@ -102,6 +120,28 @@ def rel(path: Path) -> str:
         return str(Path(path).resolve().relative_to(ROOT))
     except ValueError:
         return str(path)
+
+
+def fresh_output_dir(path: Path, what: str) -> Path:
+    """Empty `path` for a tool to write `what` into; never delete user files.
+
+    A directory that exists, is not empty and lacks the marker a previous
+    run left is refused: it is not ours to delete.
+    """
+    if path.exists():
+        if not path.is_dir():
+            raise ForkError(f"{rel(path)} is a file: pass another output directory")
+        if any(path.iterdir()) and not (path / OUTPUT_MARKER).exists():
+            raise ForkError(
+                f"{rel(path)}/ exists and was not written by vllm-fork, so it was "
+                "left alone. Pass another output directory, or remove it yourself."
+            )
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / OUTPUT_MARKER).write_text(
+        f"{what}, written by vllm-fork: the next run replaces this directory.\n"
+    )
+    return path
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -87,9 +87,12 @@ def series_commits(tree: Path, series: Series) -> list[str]:
     return commits
 
 
-def format_patches(tree: Path, commits: list[str], out: Path) -> list[Path]:
+def format_patches(
+    tree: Path, commits: list[str], out: Path, start: int = 1
+) -> list[Path]:
+    """Write commits as NNNN-<subject>.patch into `out`, numbered from `start`."""
     files = []
-    for number, rev in enumerate(commits, 1):
+    for number, rev in enumerate(commits, start):
         run(
             [
                 "git",

@@ -16,6 +16,31 @@ BASE_KEYS = ("version", "sdist_url", "sdist_sha256", "git_url", "git_ref", "git_
 # sdist_sha256 pin it) or from a git ref (git_commit pins it).
 OPTIONAL_KEYS = ("sdist_url", "sdist_sha256", "git_commit")
 TRAILER_RE = re.compile(r"^([A-Za-z][A-Za-z0-9-]*): (.+)$")
+# The upstream paths the series is about: what `import` keeps of an upstream
+# fix, and where upstream's own tests of that code live.
+TRACKED_PATHS = (
+    "vllm/v1/core",
+    "vllm/v1/simple_kv_offload",
+    "tests/v1/core",
+    "tests/v1/simple_kv_offload",
+)
+# An Upstream-Status value starting with one of these (any case) says the fix
+# exists upstream (e.g. "backport of vllm-project/vllm#12345, in 0.24.0"):
+# `export` skips such a patch.
+UPSTREAM_STATUS_PREFIXES = ("upstream", "backport")
+# Trailers the fork adds to a patch's message; an upstream commit drops them.
+FORK_TRAILERS = (
+    "Upstream-Status",
+    "Upstream-Issue",
+    "Upstream-PR",
+    "Upstream-Commit",
+    "Reproducer",
+)
+
+
+def is_tracked(path: str) -> bool:
+    """Whether a repository path lies under one of TRACKED_PATHS."""
+    return any(path == t or path.startswith(t + "/") for t in TRACKED_PATHS)
 
 
 @dataclass(frozen=True)
@@ -107,8 +132,11 @@ class Patch:
         return head
 
     def subject(self) -> str:
-        m = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*)$", self.message(), re.M)
-        return m.group(1) if m else self.name
+        # A long subject is folded onto indented continuation lines.
+        m = re.search(
+            r"^Subject: (?:\[PATCH[^\]]*\] )?(.*(?:\n .*)*)$", self.message(), re.M
+        )
+        return " ".join(m.group(1).split()) if m else self.name
 
     def trailers(self) -> dict[str, list[str]]:
         """`Key: value` lines of the message's last paragraph."""
@@ -122,6 +150,17 @@ class Patch:
 
     def reproducers(self) -> list[str]:
         return self.trailers().get("Reproducer", [])
+
+    @property
+    def number(self) -> int:
+        return int(self.name[:4])
+
+    def upstream_status(self) -> str:
+        return " ".join(self.trailers().get("Upstream-Status", []))
+
+    def is_upstream(self) -> bool:
+        """The fix exists upstream (see UPSTREAM_STATUS_PREFIXES)."""
+        return self.upstream_status().lower().startswith(UPSTREAM_STATUS_PREFIXES)
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,20 @@ def build_hf_cache(dest: Path = WORK / "hf") -> Path:
 
 def tree_env(tree: Path, hf_home: Path | None = None) -> dict[str, str]:
     """Environment variables for running Python against `tree`."""
+    env = package_env(hf_home)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), env["PYTHONPATH"]])
+    env["VLLM_FORK_TREE"] = str(tree)
+    return env
+
+
+def package_env(hf_home: Path | None = None) -> dict[str, str]:
+    """The same for an installed vllm (a wheel): no tree on PYTHONPATH."""
     hf_home = hf_home or build_hf_cache()
     return {
-        "PYTHONPATH": os.pathsep.join([str(tree), str(UPSTREAM_ENV)]),
+        "PYTHONPATH": str(UPSTREAM_ENV),
         "HF_HOME": str(hf_home),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_FORK_TREE": str(tree),
         # Two test runs share two cores; keep torch from oversubscribing.
         "OMP_NUM_THREADS": "1",
         "PYTHONDONTWRITEBYTECODE": "1",

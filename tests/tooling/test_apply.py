@@ -43,6 +43,20 @@ def test_apply_again_does_nothing(upstream: Upstream):
     assert git(upstream.tree, "rev-parse", "HEAD") == head
 
 
+def test_a_tree_with_the_old_base_tag_is_moved_to_the_new_layout(upstream: Upstream):
+    apply_series(upstream.series, upstream.tree, upstream.cache)
+    base = upstream.series.base()
+    head = git(upstream.tree, "rev-parse", "HEAD")
+    # Trees built before the base moved to refs/remotes/ had it as a tag.
+    git(upstream.tree, "tag", base.tag, base.tree_ref)
+    git(upstream.tree, "update-ref", "-d", base.tree_ref)
+    assert apply_series(upstream.series, upstream.tree, upstream.cache) is True
+    assert git(upstream.tree, "rev-parse", "HEAD") == head
+    assert git(upstream.tree, "tag", "--list", base.tag) == ""
+    assert git(upstream.tree, "rev-parse", base.tree_ref)
+    refresh_series(upstream.series, upstream.tree)  # finds the base again
+
+
 def test_same_inputs_give_the_same_commits(upstream: Upstream, tmp_path):
     add_patch(upstream, "vllm/v1/core/new.py", "x = 1\n", "Add new module")
     other = tmp_path / "other"

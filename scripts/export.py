@@ -1,0 +1,429 @@
+#!/usr/bin/env python3
+"""Turn each patch of the series into what an upstream pull request needs.
+
+For every patch that is not already upstream, rebased onto an upstream ref
+(default: main of vLLM on GitHub, or of a local clone given by --upstream):
+  - a branch export/<patch> in the tree (default vllm/): one commit, the
+    patch applied with `git am -3`, its message without the fork's trailers
+    and with a `Signed-off-by:` line of whoever runs export (git config
+    user.name and user.email: vLLM requires the DCO);
+  - the commit as dist/export/<patch>.patch, and a draft PR description
+    dist/export/<patch>.md (vLLM's template: purpose from the patch's
+    message, the issue it fixes, the reproducer test and how to run it);
+  - a check of its Python files with the upstream ref's own ruff settings
+    (ruff check and ruff format, as vLLM's pre-commit runs them) and of the
+    SPDX header every new file needs.
+Patches whose Upstream-Status starts with "upstream" or "backport" (the fix
+is in a later upstream release) are skipped with a line saying so.
+
+Your branches are never overwritten: when export/<patch> exists with other
+content, the new branch is export/<patch>-2 (or -3, ...) and export says so.
+A patch that does not apply is reported with the commands to resolve it by
+hand; the others are still exported. --stack exports each patch on top of
+the previous ones, for patches that depend on each other.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import (
+    DEFAULT_SERIES,
+    DEFAULT_TREE,
+    DIST,
+    ROOT,
+    ForkError,
+    fresh_output_dir,
+    git,
+    git_ok,
+    main_guard,
+    parser,
+    rel,
+    run,
+    say,
+    step,
+)
+from refresh import format_patches
+from run_tests import ruff
+from series import FORK_TRAILERS, TRAILER_RE, Patch, Series
+from venv import TEST_REQS, VENV, pip_install
+
+BRANCH_PREFIX = "export/"
+SPDX_HEADER = "# SPDX-License-Identifier: Apache-2.0"
+ISSUE_RE = re.compile(r"^(?:([\w.-]+/[\w.-]+))?#(\d+)$")
+UPSTREAM_REPO = "vllm-project/vllm"
+
+
+@dataclass
+class Exported:
+    patch: Patch
+    branch: str = ""
+    files: list[Path] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+def signoff_identity(tree: Path) -> str:
+    """`Name <email>` of whoever runs export, from git's configuration."""
+    name = git(tree, "config", "user.name", check=False)
+    email = git(tree, "config", "user.email", check=False)
+    if not name or not email:
+        raise ForkError(
+            "export adds a Signed-off-by line (vLLM requires the DCO) with your "
+            "git identity, and git has no user.name or user.email. Set them:\n"
+            '  git config --global user.name "Your Name"\n'
+            "  git config --global user.email you@example.com"
+        )
+    return f"{name} <{email}>"
+
+
+def ensure_ruff() -> None:
+    """ruff in .venv, at the version vLLM's pre-commit pins (see venv.py)."""
+    if not (VENV / "bin" / "ruff").exists():
+        spec = next(r for r in TEST_REQS if r.startswith("ruff"))
+        step(f"installing {spec} into {rel(VENV)}")
+        pip_install(VENV, ["-q", spec])
+
+
+def resolve_onto(tree: Path, onto: str, upstream: str | None) -> str:
+    """The commit to export onto: `onto` fetched from `upstream`, or a local ref."""
+    if upstream is None and git_ok(tree, "rev-parse", "-q", "--verify", onto):
+        return git(tree, "rev-parse", f"{onto}^{{commit}}")
+    source = upstream or "https://github.com/vllm-project/vllm.git"
+    if Path(source).expanduser().is_dir():
+        # file:// so that --depth works: the tree needs the ref, not its history.
+        source = Path(source).expanduser().resolve().as_uri()
+    step(f"fetching {onto} from {source}")
+    proc = run(
+        ["git", "-C", tree, "fetch", "-q", "--no-tags", "--depth", "1", source, onto],
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise ForkError(
+            f"cannot fetch {onto!r} from {source}:\n{proc.stderr.strip()}\n"
+            "Give --onto a branch or tag that exists there, and --upstream a "
+            "local clone of vLLM or its URL."
+        )
+    return git(tree, "rev-parse", "FETCH_HEAD^{commit}")
+
+
+def upstream_message(message: str, signer: str, tree: Path) -> str:
+    """The commit message for upstream: fork trailers out, sign-off in."""
+    paragraphs = message.rstrip().split("\n\n")
+    last = [
+        line
+        for line in paragraphs[-1].splitlines()
+        if not ((m := TRAILER_RE.match(line.strip())) and m.group(1) in FORK_TRAILERS)
+    ]
+    paragraphs[-1] = "\n".join(last)
+    text = "\n\n".join(p for p in paragraphs if p.strip()) + "\n"
+    return git(
+        tree,
+        "interpret-trailers",
+        "--if-exists",
+        "addIfDifferent",
+        "--trailer",
+        f"Signed-off-by: {signer}",
+        input=text,
+    )
+
+
+def free_branch(tree: Path, name: str, commit: str) -> tuple[str, str]:
+    """A branch name to put `commit` on that clobbers nothing, and a note."""
+    branch = BRANCH_PREFIX + name
+    n = 1
+    while git_ok(tree, "rev-parse", "-q", "--verify", f"refs/heads/{branch}"):
+        same_tree = git(tree, "rev-parse", f"{branch}^{{tree}}") == git(
+            tree, "rev-parse", f"{commit}^{{tree}}"
+        )
+        same_msg = git(tree, "log", "-1", "--format=%B", branch) == git(
+            tree, "log", "-1", "--format=%B", commit
+        )
+        if same_tree and same_msg:
+            return branch, "unchanged"
+        n += 1
+        branch = f"{BRANCH_PREFIX}{name}-{n}"
+    git(tree, "branch", branch, commit)
+    note = ""
+    if n > 1:
+        note = (
+            f"{BRANCH_PREFIX}{name} exists with other content and was kept; "
+            f"this export is {branch}"
+        )
+    return branch, note
+
+
+def lint(worktree: Path, onto: str) -> list[str]:
+    """vLLM's checks of the changed Python files, with the ref's own settings."""
+    files = git(
+        worktree, "diff", "--name-only", "--diff-filter=d", onto, "HEAD", "--", "*.py"
+    ).split()
+    problems = []
+    ok, detail = ruff(files, worktree)
+    if not ok:
+        problems.append(f"ruff (vLLM's settings): {detail}")
+    added = git(
+        worktree, "diff", "--name-only", "--diff-filter=A", onto, "HEAD", "--", "*.py"
+    ).split()
+    for f in added:
+        if SPDX_HEADER not in (worktree / f).read_text().splitlines()[:3]:
+            problems.append(f"{f}: a new file needs vLLM's SPDX header ({SPDX_HEADER})")
+    return problems
+
+
+def test_source(test_id: str) -> str | None:
+    """Source of a reproducer test named `file::name` (or file::Class::name)."""
+    file, _, name = test_id.partition("::")
+    path = ROOT / file
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    want = name.split("::")[-1].split("[")[0]
+    for node in ast.walk(ast.parse(text)):
+        is_def = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        if is_def and node.name == want:
+            first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            return "\n".join(text.splitlines()[first - 1 : node.end_lineno])
+    return None
+
+
+def issue_line(issue: str) -> str:
+    m = ISSUE_RE.match(issue.strip())
+    if not m:
+        return f"Fixes {issue}"
+    repo, number = m.group(1) or UPSTREAM_REPO, m.group(2)
+    if repo == UPSTREAM_REPO:
+        return f"FIX #{number}"
+    return f"Fixes https://github.com/{repo}/issues/{number}"
+
+
+def pr_description(
+    patch: Patch, message: str, base_version: str, onto: str, lint_ok: bool
+) -> str:
+    """A draft PR description in vLLM's template, from the patch's message."""
+    subject, _, body = message.partition("\n\n")
+    body_paras = [
+        p
+        for p in body.rstrip().split("\n\n")
+        if not all(TRAILER_RE.match(line.strip()) for line in p.splitlines())
+    ]
+    issues = patch.trailers().get("Upstream-Issue", [])
+    lines = [f"# {subject.strip()}", "", "## Purpose", ""]
+    lines += ["\n\n".join(body_paras), ""]
+    lines += [issue_line(i) for i in issues] + ([""] if issues else [])
+    lines += ["## Test Plan", ""]
+    tests = patch.reproducers()
+    if tests:
+        lines += [
+            "A reproducer from the vllm-fork patch series (its own test harness, "
+            "not yet ported to vLLM's tests/):",
+            "",
+        ]
+        lines += [f"- `{t}`" for t in tests]
+        lines += [
+            "",
+            "```bash",
+            "# in a vllm-fork checkout, against a vLLM tree with this change:",
+            f"pytest {' '.join(tests)}",
+            "```",
+            "",
+        ]
+        for t in tests:
+            source = test_source(t)
+            if source:
+                lines += [
+                    "<details>",
+                    f"<summary><code>{t}</code></summary>",
+                    "",
+                    "```python",
+                    source.rstrip(),
+                    "```",
+                    "</details>",
+                    "",
+                ]
+    else:
+        lines += ["(The patch names no reproducer test.)", ""]
+    lines += [
+        "## Test Result",
+        "",
+        f"On vLLM {base_version}, the fork's base, the reproducer fails without "
+        "this change and passes with it (checked by vllm-fork's `make test`, "
+        "together with tests/v1/core and tests/v1/simple_kv_offload). Rebased "
+        f"onto {onto[:12]}"
+        + ("; the changed files pass vLLM's ruff settings there." if lint_ok else "."),
+        "",
+        "---",
+        "<details>",
+        "<summary> Essential Elements of an Effective PR Description Checklist "
+        "</summary>",
+        "",
+        '- [x] The purpose of the PR, such as "Fix some issue (link existing '
+        'issues this PR will resolve)".',
+        "- [x] The test plan, such as providing test command.",
+        "- [ ] The test results, such as pasting the results comparison before "
+        "and after, or e2e results",
+        "- [ ] (Optional) The necessary documentation update.",
+        "</details>",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def apply_one(worktree: Path, patch: Patch, signer: str) -> str | None:
+    """Apply `patch` at the worktree's HEAD and sign it off; None if it fails."""
+    am = run(
+        ["git", "-C", worktree, "am", "-q", "-3", "--keep-non-patch", patch.path],
+        check=False,
+    )
+    if am.returncode != 0:
+        run(["git", "-C", worktree, "am", "--abort"], check=False)
+        return None
+    message = upstream_message(
+        git(worktree, "log", "-1", "--format=%B"), signer, worktree
+    )
+    git(worktree, "commit", "-q", "--amend", "--no-verify", "-F", "-", input=message)
+    return git(worktree, "rev-parse", "HEAD")
+
+
+def export_series(
+    series: Series,
+    tree: Path,
+    onto_ref: str,
+    upstream: str | None,
+    out: Path,
+    only: list[str] | None = None,
+    stack: bool = False,
+) -> list[Exported]:
+    if not (tree / ".git").exists():
+        raise ForkError(f"{rel(tree)}/ is not a git checkout: run `make apply` first")
+    signer = signoff_identity(tree)
+    patches = series.patches()
+    if only:
+        patches = [p for p in patches if any(p.name.startswith(o) for o in only)]
+        if not patches:
+            raise ForkError(
+                f"no patch in {rel(series.dir)}/ starts with {', '.join(only)}"
+            )
+    ensure_ruff()
+    onto = resolve_onto(tree, onto_ref, upstream)
+    say(f"    onto {onto_ref} = {onto[:12]}")
+    fresh_output_dir(out, "upstream export")
+    results: list[Exported] = []
+    base_version = series.base().version
+    wt = Path(tempfile.mkdtemp(prefix="vllm-fork-export-"))
+    try:
+        git(tree, "worktree", "add", "-q", "--detach", wt, onto)
+        for patch in patches:
+            result = Exported(patch)
+            results.append(result)
+            if patch.is_upstream():
+                result.note = f"skipped: already upstream ({patch.upstream_status()})"
+                say(f"    {patch.name}: {result.note}")
+                continue
+            step(f"{patch.name}: {patch.subject()}")
+            if not stack:
+                git(wt, "checkout", "-q", "--detach", onto)
+            start = git(wt, "rev-parse", "HEAD")
+            commit = apply_one(wt, patch, signer)
+            if commit is None:
+                t, branch = rel(tree), BRANCH_PREFIX + patch.name.removesuffix(".patch")
+                result.problems.append(
+                    f"does not apply onto {onto_ref} ({onto[:12]}). Resolve by hand:\n"
+                    f"  git -C {t} checkout -b {branch} {onto[:12]}\n"
+                    f"  git -C {t} am -3 {rel(patch.path)}"
+                    + ("" if stack else "\n  (or try --stack if it needs earlier ones)")
+                )
+                continue
+            result.problems += lint(wt, start)
+            stem = patch.name.removesuffix(".patch")
+            result.branch, result.note = free_branch(tree, stem, commit)
+            made = format_patches(wt, [commit], out, start=patch.number)
+            desc = out / (made[0].stem + ".md")
+            desc.write_text(
+                pr_description(
+                    patch,
+                    git(wt, "log", "-1", "--format=%B", commit),
+                    base_version,
+                    onto,
+                    not result.problems,
+                )
+            )
+            result.files = [made[0], desc]
+            for line in [f"branch {result.branch}", *map(rel, result.files)]:
+                say(f"    {line}")
+    finally:
+        run(["git", "-C", tree, "worktree", "remove", "--force", wt], check=False)
+        shutil.rmtree(wt, ignore_errors=True)
+    return results
+
+
+def main() -> int:
+    p = parser(__doc__)
+    p.add_argument(
+        "--series",
+        type=Path,
+        default=DEFAULT_SERIES,
+        help="series directory (default: patches/)",
+    )
+    p.add_argument(
+        "--tree",
+        type=Path,
+        default=DEFAULT_TREE,
+        help="git checkout to make the branches in (default: vllm/)",
+    )
+    p.add_argument(
+        "--onto",
+        default="main",
+        help="upstream branch, tag or commit to rebase onto (default: main)",
+    )
+    p.add_argument(
+        "--upstream",
+        help="local clone of vLLM or its URL to fetch --onto from (default: "
+        "GitHub; leave out to use a ref the tree already has)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DIST / "export",
+        help="directory for the .patch and .md files (default: dist/export/)",
+    )
+    p.add_argument(
+        "--patch",
+        action="append",
+        metavar="NNNN",
+        help="export only the patches whose name starts with this (repeatable)",
+    )
+    p.add_argument(
+        "--stack",
+        action="store_true",
+        help="export each patch on top of the previous ones",
+    )
+    args = p.parse_args()
+    results = export_series(
+        Series(args.series.resolve()),
+        args.tree.resolve(),
+        args.onto,
+        args.upstream,
+        args.out.resolve(),
+        args.patch,
+        args.stack,
+    )
+    failed = [r for r in results if r.problems]
+    say("")
+    for r in results:
+        state = "FAILED" if r.problems else ("skipped" if not r.branch else "ok")
+        say(f"{state:8s} {r.patch.name}" + (f"  {r.branch}" if r.branch else ""))
+        for line in ([r.note] if r.note and r.branch else []) + r.problems:
+            say("         " + line.replace("\n", "\n         "))
+    exported = sum(1 for r in results if r.branch)
+    say(f"\n{exported} exported, {len(failed)} with problems, into {rel(args.out)}/")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,212 @@
+"""make export: each patch as an upstream pull request (branch, .patch, text).
+
+"Upstream" here is a local repository whose main is the release plus a
+commit of its own, so the export really is rebased, and so that a patch can
+be made to conflict with it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common import ROOT, ForkError, git, git_ok
+from export import export_series
+from refresh import format_patches
+from series import FORK_TRAILERS, Series
+from shipenv import blob_text, commit_files, shared_clone
+
+README_LINE = "Easy, fast, and cheap LLM serving for everyone"
+REPRODUCER = (
+    "tests/reproducers/test_no_free_blocks_error.py::"
+    "test_refused_pop_is_typed_and_changes_nothing"
+)
+
+
+@pytest.fixture
+def upstream(series, tree, tmp_path) -> Path:
+    """vLLM's "main": the release and one more commit, touching README.md."""
+    repo = shared_clone(tree, tmp_path / "upstream")
+    base = series.base().tag
+    readme = blob_text(repo, base, "README.md")
+    assert README_LINE in readme
+    main = commit_files(
+        repo,
+        base,
+        {"README.md": readme.replace(README_LINE, README_LINE + " (main)")},
+        "[Doc] main moved on",
+    )
+    git(repo, "update-ref", "refs/heads/main", main)
+    return repo
+
+
+@pytest.fixture
+def work_tree(tree, tmp_path) -> Path:
+    """The tree export makes branches in (vllm/ for a user)."""
+    return shared_clone(tree, tmp_path / "vllm")
+
+
+def message(subject: str, body: str, status: str) -> str:
+    return (
+        f"{subject}\n\n{body}\n\n"
+        f"Upstream-Status: {status}\n"
+        "Upstream-Issue: vllm-project/vllm#123\n"
+        f"Reproducer: {REPRODUCER}\n"
+    )
+
+
+@pytest.fixture
+def synthetic(series, tree, tmp_path) -> Series:
+    """A series of four patches on the release, one for each outcome."""
+    base = series.base().tag
+    repo = shared_clone(tree, tmp_path / "make-patches")
+    utils = "vllm/v1/core/kv_cache_utils.py"
+    readme = blob_text(repo, base, "README.md")
+    commits = [
+        commit_files(
+            repo,
+            base,
+            {utils: blob_text(repo, base, utils) + "\n\nFORK_EXPORT_TEST = 1\n"},
+            message("[Core] Add a constant", "Good patch.", "not upstream"),
+        ),
+        commit_files(
+            repo,
+            base,
+            {utils: blob_text(repo, base, utils) + "\n\nBACKPORTED = 1\n"},
+            message("[Core] A backport", "In 0.22.", "Backport of vllm#456 (0.22.0)"),
+        ),
+        commit_files(
+            repo,
+            base,
+            {"vllm/v1/core/extra.py": "x=1\n"},
+            message("[Core] Add a badly formatted file", "No SPDX.", "not upstream"),
+        ),
+        commit_files(
+            repo,
+            base,
+            {"README.md": readme.replace(README_LINE, README_LINE + " (fork)")},
+            message("[Doc] Conflict with main", "Clashes.", "not upstream"),
+        ),
+    ]
+    out = Series(tmp_path / "series")
+    out.dir.mkdir()
+    shutil.copyfile(series.base_file, out.base_file)
+    for n, commit in enumerate(commits, 1):
+        format_patches(repo, [commit], out.dir, start=n)
+    return out
+
+
+def branches(repo: Path) -> list[str]:
+    return git(repo, "for-each-ref", "--format=%(refname:short)", "refs/heads/").split()
+
+
+def test_each_outcome(synthetic, upstream, work_tree, tmp_path, git_identity):
+    out = tmp_path / "out"
+    before = branches(work_tree)
+    good, backport, badly, conflict = export_series(
+        synthetic, work_tree, "main", str(upstream), out
+    )
+    main = git(upstream, "rev-parse", "main")
+
+    assert good.problems == [] and good.branch.startswith("export/0001-")
+    assert git(work_tree, "rev-parse", f"{good.branch}~1") == main
+    msg = git(work_tree, "log", "-1", "--format=%B", good.branch)
+    assert msg.startswith("[Core] Add a constant\n\nGood patch.")
+    assert msg.rstrip().endswith(f"Signed-off-by: {git_identity}")
+    assert not any(f"{t}:" in msg for t in FORK_TRAILERS)
+    assert git(work_tree, "log", "-1", "--format=%an", good.branch) == "Up Stream"
+    patch_file, pr = good.files
+    assert patch_file.name == "0001-Core-Add-a-constant.patch"
+    assert f"Signed-off-by: {git_identity}" in patch_file.read_text()
+    text = pr.read_text()
+    assert text.startswith("# [Core] Add a constant\n\n## Purpose\n\nGood patch.")
+    assert "FIX #123" in text and REPRODUCER in text
+    assert "def test_refused_pop_is_typed_and_changes_nothing" in text
+    assert "pass vLLM's ruff settings" in text
+
+    assert backport.branch == "" and backport.problems == []
+    assert backport.note.startswith("skipped: already upstream")
+
+    assert badly.branch.startswith("export/0003-")
+    problems = "\n".join(badly.problems)
+    assert "ruff (vLLM's settings)" in problems and "extra.py" in problems
+    assert "SPDX header" in problems
+    assert "pass vLLM's ruff settings" not in badly.files[1].read_text()
+
+    assert conflict.branch == "" and conflict.files == []
+    assert "does not apply onto main" in conflict.problems[0]
+    assert sorted(branches(work_tree)) == sorted([*before, good.branch, badly.branch])
+    assert sorted(p.name for p in out.glob("*.patch")) == [
+        "0001-Core-Add-a-constant.patch",
+        "0003-Core-Add-a-badly-formatted-file.patch",
+    ]
+
+
+def test_keeps_an_existing_branch(
+    synthetic, upstream, work_tree, tmp_path, git_identity
+):
+    name = synthetic.patches()[0].name.removesuffix(".patch")
+    git(work_tree, "fetch", "-q", str(upstream), "main")
+    mine = commit_files(work_tree, "FETCH_HEAD", {"NOTES": "mine\n"}, "my own work")
+    git(work_tree, "branch", f"export/{name}", mine)
+    first = export_series(
+        synthetic, work_tree, "main", str(upstream), tmp_path / "a", ["0001"]
+    )[0]
+    assert git(work_tree, "rev-parse", f"export/{name}") == mine
+    assert first.branch == f"export/{name}-2"
+    assert "exists with other content and was kept" in first.note
+    again = export_series(
+        synthetic, work_tree, "main", str(upstream), tmp_path / "b", ["0001"]
+    )[0]
+    assert again.branch == f"export/{name}-2" and again.note == "unchanged"
+    assert not git_ok(work_tree, "rev-parse", "-q", "--verify", f"export/{name}-3")
+
+
+def test_the_real_series(series, upstream, work_tree, tmp_path, git_identity):
+    results = export_series(
+        series, work_tree, "main", str(upstream), tmp_path / "out", stack=True
+    )
+    assert [r.patch.name for r in results] == [p.name for p in series.patches()]
+    for r in results:
+        if r.patch.is_upstream():
+            assert r.branch == "" and "already upstream" in r.note
+            continue
+        assert r.problems == [], r.problems
+        log = git(work_tree, "log", "-1", "--format=%B", r.branch)
+        assert f"Signed-off-by: {git_identity}" in log
+        text = r.files[1].read_text()
+        assert all(t in text for t in r.patch.reproducers())
+
+
+def test_needs_a_git_identity(synthetic, upstream, work_tree, tmp_path, monkeypatch):
+    empty = tmp_path / "empty-gitconfig"
+    empty.write_text("")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(empty))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    before = branches(work_tree)
+    with pytest.raises(ForkError, match="git config --global user.name"):
+        export_series(synthetic, work_tree, "main", str(upstream), tmp_path / "out")
+    assert branches(work_tree) == before
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_ref_is_a_clear_error(
+    synthetic, upstream, work_tree, tmp_path, git_identity
+):
+    with pytest.raises(ForkError, match="cannot fetch 'no-such-branch'"):
+        export_series(
+            synthetic, work_tree, "no-such-branch", str(upstream), tmp_path / "o"
+        )
+
+
+def test_cli_help():
+    proc = subprocess.run(
+        [sys.executable, ROOT / "scripts" / "export.py", "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and "--onto" in proc.stdout
