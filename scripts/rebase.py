@@ -74,7 +74,7 @@ from common import (
 )
 from fetch import ensure_base, resolve_git, resolve_release
 from refresh import format_patches
-from series import BASE_FILE, Base, Series
+from series import BASE_FILE, Base, Series, read_base
 from testenv import Verdict, reproducer_verdicts
 
 CLEAN, MERGED, UPSTREAM, CONFLICT, PENDING = (
@@ -908,7 +908,16 @@ def main() -> int:
                 f"{make_hint('rebase-abort', tree)}"
             )
         series = Series(args.series.resolve(), overlay=OVERLAY)
-        new = parse_base(args.base, args.version, args.git_url, series.base())
+        release = VERSION_RE.fullmatch(args.base)
+        pinned = None
+        if release and not args.git_url:
+            # A release INTO already pins is taken from there, not PyPI.
+            into = (args.into or DEFAULT_SERIES / f"v{release.group(1)}").resolve()
+            if (into / BASE_FILE).is_file():
+                pinned = read_base(into / BASE_FILE)
+                if pinned.version != release.group(1):
+                    pinned = None
+        new = pinned or parse_base(args.base, args.version, args.git_url, series.base())
         into = (args.into or DEFAULT_SERIES / f"v{new.version}").resolve()
         start(series, new, into, tree)
     return 0

@@ -11,8 +11,7 @@ import pytest
 
 import rebase
 from common import DEFAULT_SERIES, OVERLAY
-from fetch import resolve_release
-from series import Series
+from series import Series, read_base
 
 COMMITTED = DEFAULT_SERIES / "v0.33.0"
 
@@ -27,7 +26,7 @@ def test_0_20_2_series_rebases_onto_0_33_0_as_committed(tmp_path):
     shutil.copytree(COMMITTED, into)  # its resolutions/ seed the replay
     state = rebase.start(
         Series(DEFAULT_SERIES, overlay=OVERLAY),
-        resolve_release("0.33.0"),
+        read_base(COMMITTED / "base.toml"),
         into,
         tmp_path / "tree",
     )
