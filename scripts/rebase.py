@@ -239,10 +239,6 @@ def conflict_ids(tree: Path) -> list[str]:
     return sorted(set(ids))
 
 
-def has_resolution(tree: Path, conflict_id: str) -> bool:
-    return (gitdir(tree) / "rr-cache" / conflict_id / "postimage").exists()
-
-
 def save_resolutions(tree: Path, ids: list[str], dest: Path) -> list[str]:
     """Copy the tree's resolutions of `ids` to dest/<id>/; the ids copied."""
     saved = []
