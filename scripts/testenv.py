@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -93,6 +94,18 @@ def run_pytest(
     return proc.returncode
 
 
+def junit_test_id(case: ET.Element) -> str:
+    """file::[Class::]name of a JUnit testcase; the file alone for a module
+    that failed or skipped collection."""
+    classname = case.get("classname", "")
+    file = case.get("file") or classname.replace(".", "/") + ".py"
+    if not classname:
+        return file
+    module = file.removesuffix(".py").replace("/", ".")
+    cls = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
+    return "::".join(filter(None, [file, cls, case.get("name")]))
+
+
 def read_junit_details(path: Path) -> dict[str, tuple[str, str]]:
     """Map test id (file::name) to (outcome, message): outcome is passed /
     failed / error / skipped, message the failure's first line ("" if none).
@@ -101,13 +114,7 @@ def read_junit_details(path: Path) -> dict[str, tuple[str, str]]:
     if not path.exists():
         return results
     for case in ET.parse(path).getroot().iter("testcase"):
-        classname = case.get("classname", "")
-        file = case.get("file") or classname.replace(".", "/") + ".py"
-        module = file.removesuffix(".py").replace("/", ".")
-        cls = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
-        test_id = "::".join(filter(None, [file, cls, case.get("name")]))
-        if not classname:
-            test_id = file  # the module itself: it failed or skipped collection
+        test_id = junit_test_id(case)
         outcome, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
@@ -167,6 +174,33 @@ class Verdict:
     message: str = ""
 
 
+def junit_failure_texts(path: Path) -> dict[str, str]:
+    """Test id -> the traceback pytest wrote for its failure."""
+    texts = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        for child in case:
+            if child.tag == "failure":
+                texts[junit_test_id(case)] = child.text or ""
+    return texts
+
+
+TEST_TOOLS = {"_pytest", "pytest", "hypothesis", "pluggy"}
+FRAME_RE = re.compile(r"^(\S+\.py):\d+: in ", re.M)
+
+
+def raised_in_package(traceback: str) -> str:
+    """The installed package (torch, ...) the failure was raised in, if it
+    was: then the environment failed the test (say, a CUDA-only call on a
+    CPU machine), not the release's code, and the test says nothing of the
+    bug. "" when raised in the test, the harness or vLLM itself."""
+    frames = FRAME_RE.findall(traceback)
+    if not frames or "/site-packages/" not in frames[-1]:
+        return ""
+    package = frames[-1].split("/site-packages/", 1)[1].split("/", 1)[0]
+    # The test tools' own failures (pytest.raises, hypothesis) are verdicts.
+    return "" if package in TEST_TOOLS else package
+
+
 def exception_type(message: str) -> str:
     return message.split(":", 1)[0].strip().rsplit(".", 1)[-1]
 
@@ -178,10 +212,14 @@ def reproducer_verdicts(
     files = sorted({t.split("::")[0] for t in test_ids})
     present = [f for f in files if (cwd / f).is_file()]
     results: dict[str, tuple[str, str]] = {}
+    failures: dict[str, str] = {}
     if present:
         junit.unlink(missing_ok=True)
-        run_pytest(python, tree, cwd, junit, present, log)
+        # One file that no longer imports must not keep the others from running.
+        args = ["--continue-on-collection-errors", *present]
+        run_pytest(python, tree, cwd, junit, args, log)
         results = read_junit_details(junit)
+        failures = junit_failure_texts(junit)
     verdicts = {}
     for test_id in test_ids:
         file = test_id.split("::")[0]
@@ -189,8 +227,13 @@ def reproducer_verdicts(
             verdicts[test_id] = Verdict("not run", f"{file} does not exist")
         elif test_id in results:
             outcome, message = results[test_id]
+            package = raised_in_package(failures.get(test_id, ""))
             if outcome == "passed":
                 verdicts[test_id] = Verdict("passes")
+            elif outcome == "failed" and package:
+                verdicts[test_id] = Verdict(
+                    "broken", f"{message} (raised in {package})"
+                )
             elif outcome == "failed" and exception_type(message) not in BROKEN_TYPES:
                 verdicts[test_id] = Verdict("fails", message)
             elif outcome == "skipped":
