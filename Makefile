@@ -7,7 +7,7 @@ SERIES ?= patches
 TREE ?= vllm
 
 .DEFAULT_GOAL := help
-.PHONY: help fetch apply refresh install venv test clean
+.PHONY: help fetch apply refresh install venv test bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -30,6 +30,9 @@ venv: ## create .venv with torch and vLLM's build requirements
 
 test: ## tooling tests, upstream tests on base and series, reproducers, lint
 	$(PYTHON) scripts/run_tests.py
+
+bench: ## allocator speed: unpatched base against the series, side by side
+	$(PYTHON) scripts/bench.py --series $(SERIES)
 
 clean: ## remove generated work trees and logs (keeps vllm/, .venv, .cache)
 	rm -rf .work

@@ -10,6 +10,8 @@ gives back everything the call took, across all groups, and returns None.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -152,6 +154,49 @@ def test_refusal_keeps_mamba_align_state():
     refuse_and_compare(manager, req, 64, after_calls=1)
     assert schedule(manager, req, 64)
     manager.free(req)
+    assert_manager_ok(manager, all_done=True)
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_lying_count_is_a_refusal_logged_once_per_event():
+    # The free queue counts 6 blocks more than it links, as after seed 000's
+    # double free: every retry is refused, but logged once, with the numbers.
+    manager = make_manager(("full", "swa"), num_blocks=24)
+    queue = manager.block_pool.free_block_queue
+    real_free = queue.num_free_blocks
+    queue.num_free_blocks += 6
+    log = logging.getLogger("vllm.v1.core.kv_cache_manager")
+    records, level = Records(), log.level
+    log.addHandler(records)
+    log.setLevel(logging.DEBUG)
+    try:
+        req = make_request("r0", list(range(16 * (real_free // 2 + 2))))
+        for _ in range(5):
+            assert not schedule(manager, req, req.num_tokens)
+        other = make_request("r1", list(range(500, 500 + 16 * (real_free // 2 + 2))))
+        assert not schedule(manager, other, other.num_tokens)
+    finally:
+        log.removeHandler(records)
+        log.setLevel(level)
+    assert manager.num_refusals == 6
+    warnings = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "request r0 needs" in warnings[0] and "group 1:" in warnings[0]
+    assert "request r1 needs" in warnings[1]
+    assert_manager_ok_but_count(manager, extra=6)
+
+
+def assert_manager_ok_but_count(manager: KVCacheManager, extra: int) -> None:
+    """Nothing was taken: only the planted miscount is left."""
+    manager.block_pool.free_block_queue.num_free_blocks -= extra
     assert_manager_ok(manager, all_done=True)
 
 
