@@ -9,8 +9,8 @@ TREE ?= vllm
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help fetch apply refresh install venv test test-slow wheel overlay \
-	export import clean
+.PHONY: help fetch apply refresh install venv test test-slow bench wheel \
+	overlay export import clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -48,6 +48,9 @@ export: apply ## a branch, .patch and PR text per patch for upstream (ARGS=--ont
 
 import: ## add an upstream fix as the next patch (ARGS="--repo CLONE RANGE" or ARGS=FILE)
 	$(PYTHON) scripts/import_patch.py --series $(SERIES) $(ARGS)
+
+bench: ## allocator speed: unpatched base against the series, side by side
+	$(PYTHON) scripts/bench.py --series $(SERIES)
 
 clean: ## remove generated work trees and logs (keeps vllm/, .venv, .cache)
 	rm -rf .work
