@@ -34,7 +34,7 @@ def workload(seed: int) -> dict[int, list[tuple[list[int], int]]]:
         for _ in range(4)
     ]
     plan: dict[int, list[tuple[list[int], int]]] = {}
-    for n in range(36):
+    for _ in range(36):
         prefix = rng.choice(prefixes)
         cut = rng.choice([len(prefix), len(prefix) // BS // 2 * BS, len(prefix)])
         tail = [rng.randrange(10, 30000) for _ in range(rng.choice([0, 1, 9, BS]))]
