@@ -268,6 +268,14 @@ class FakeCopyBackend:
         pass
 
 
+@dataclass(frozen=True)
+class FakeComputeEvent:
+    """Stands in for the CUDA event a store waits on: the end of the compute
+    enqueued up to `step` (a CPU has no stream to record one on)."""
+
+    step: int
+
+
 @dataclass
 class Violation:
     step: int
@@ -400,6 +408,10 @@ class Engine:
                 self.kv, lambda: self.stats.steps, self.cfg.transfer_delay
             )
             self.worker._backend = self.copy_backend  # type: ignore[assignment]
+            # Used by the store barrier (patch 0005); unused on the base.
+            self.worker._record_compute_done = (  # type: ignore[attr-defined]
+                lambda: FakeComputeEvent(self.stats.steps)
+            )
         self._ids = itertools.count()
 
     # --- handles on the real objects -------------------------------------
