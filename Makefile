@@ -10,7 +10,7 @@ ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-slow bench wheel \
-	overlay export import clean
+	overlay export import soak clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-10s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -51,6 +51,9 @@ import: ## add an upstream fix as the next patch (ARGS="--repo CLONE RANGE" or A
 
 bench: ## allocator speed: unpatched base against the series, side by side
 	$(PYTHON) scripts/bench.py --series $(SERIES)
+
+soak: ## load, fault and fuzz campaign: base and series side by side (ARGS=--vary)
+	$(PYTHON) scripts/soak.py --series $(SERIES) $(ARGS)
 
 clean: ## remove generated work trees and logs (keeps vllm/, .venv, .cache)
 	rm -rf .work
