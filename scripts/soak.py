@@ -59,6 +59,8 @@ PROBLEMS = (
     "pinned_cpu_hits",
     "unfinished",
 )
+# Silent problems: the run goes on (used to tell which runs the base survived).
+SILENT = ("unordered_stores", "lost_cpu_blocks")
 
 
 def worker_env(tree: Path) -> dict[str, str]:
@@ -215,9 +217,7 @@ def speed_ratios(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, flo
     out = {}
     for workload, trees in results.items():
         base, series = trees.get("base"), trees.get("series")
-        survived = base and not any(
-            base.get(k) for k in PROBLEMS if k != "unordered_stores"
-        )
+        survived = base and not any(base.get(k) for k in PROBLEMS if k not in SILENT)
         if survived and series and base["steps_per_second"]:
             out[workload] = round(
                 series["steps_per_second"] / base["steps_per_second"], 3
