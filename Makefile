@@ -9,8 +9,8 @@ TREE ?= vllm
 ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help fetch apply refresh install venv test test-slow rebase rebase-continue \
-	rebase-abort matrix wheel overlay export import clean
+.PHONY: help fetch apply refresh install venv test test-slow bench rebase \
+	rebase-continue rebase-abort matrix wheel overlay export import soak clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -64,6 +64,12 @@ rebase-abort: ## undo the rebase in progress (the tree as it was)
 
 matrix: ## patches and reproducers on releases 0.19.0 .. 0.33.0 (.work/matrix/)
 	$(PYTHON) scripts/matrix.py --series $(SERIES) $(if $(RELEASES),--releases $(RELEASES))
+
+bench: ## allocator speed: unpatched base against the series, side by side
+	$(PYTHON) scripts/bench.py --series $(SERIES)
+
+soak: ## load, fault and fuzz campaign: base and series side by side (ARGS=--vary)
+	$(PYTHON) scripts/soak.py --series $(SERIES) $(ARGS)
 
 clean: ## remove generated work trees and logs (keeps vllm/, .venv, .cache)
 	rm -rf .work

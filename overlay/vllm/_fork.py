@@ -8,22 +8,31 @@ patched ones, e.g. inside a container image built from upstream's.
 
 import importlib
 import sys
+from functools import reduce
 
 FORK = "vllm-fork"
 
-# Names that only the patched modules define: (module, attribute).
+# Names that only the patched modules define, in every series of the fork:
+# (module, attribute path).
 MARKERS = [
     ("vllm.v1.core.kv_cache_utils", "NoFreeBlocksError"),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheShortfall"),
+    (
+        "vllm.v1.simple_kv_offload.manager",
+        "SimpleCPUOffloadScheduler._is_position_hash",
+    ),
 ]
 
 
 def missing_markers() -> list[str]:
     """Markers absent from the imported modules, with the file each came from."""
     missing = []
-    for module_name, attr in MARKERS:
+    for module_name, path in MARKERS:
         module = importlib.import_module(module_name)
-        if not hasattr(module, attr):
-            missing.append(f"{module_name}.{attr} (imported from {module.__file__})")
+        try:
+            reduce(getattr, path.split("."), module)
+        except AttributeError:
+            missing.append(f"{module_name}.{path} (imported from {module.__file__})")
     return missing
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,6 +280,14 @@ class FakeCopyBackend:
         pass
 
 
+@dataclass(frozen=True)
+class FakeComputeEvent:
+    """Stands in for the CUDA event a store waits on: the end of the compute
+    enqueued up to `step` (a CPU has no stream to record one on)."""
+
+    step: int
+
+
 @dataclass
 class Violation:
     step: int
@@ -377,6 +386,9 @@ class FakeModelRunner:
 class StepStats:
     steps: int = 0
     preemptions: int = 0
+    # Time spent in vLLM's Scheduler (schedule + update_from_output), not in
+    # the fake runner and worker: what a speed comparison should look at.
+    scheduler_seconds: float = 0.0
     finished: set[str] = field(default_factory=set)
     aborted: set[str] = field(default_factory=set)
 
@@ -411,6 +423,10 @@ class Engine:
                 self.kv, lambda: self.stats.steps, self.cfg.transfer_delay
             )
             self.worker._backend = self.copy_backend  # type: ignore[assignment]
+            # Used by the store barrier (patch 0005); unused on the base.
+            self.worker._record_compute_done = (  # type: ignore[attr-defined]
+                lambda: FakeComputeEvent(self.stats.steps)
+            )
         self._ids = itertools.count()
 
     # --- handles on the real objects -------------------------------------
@@ -446,7 +462,9 @@ class Engine:
 
     # --- stepping -----------------------------------------------------------
     def step(self) -> SchedulerOutput:
+        start = time.perf_counter()
         so = self.scheduler.schedule()
+        self.stats.scheduler_seconds += time.perf_counter() - start
         self.stats.preemptions += len(so.preempted_req_ids or ())
         out = self.runner.execute(so, self.stats.steps)
         if self.worker is not None:
@@ -460,7 +478,10 @@ class Engine:
             )
             self.worker.clear_connector_metadata()
         self.stats.steps += 1
-        for outputs in self.scheduler.update_from_output(so, out).values():
+        start = time.perf_counter()
+        engine_outputs = self.scheduler.update_from_output(so, out)
+        self.stats.scheduler_seconds += time.perf_counter() - start
+        for outputs in engine_outputs.values():
             for o in outputs.outputs:
                 if o.finish_reason is not None:
                     self.stats.finished.add(o.request_id)
@@ -485,7 +506,7 @@ class Engine:
                 raise AssertionError(
                     f"not done after {max_steps} steps: "
                     f"{len(self.scheduler.running)} running, "
-                    f"{len(self.scheduler.waiting)} waiting"
+                    f"{self.scheduler.get_request_counts()[1]} waiting"
                 )
             self.step()
             if after_step is not None:

@@ -117,3 +117,85 @@ def assert_pool_ok(
 ) -> None:
     problems = pool_violations(pool, all_done=all_done, **kw)
     assert not problems, f"{label} is inconsistent:\n  " + "\n  ".join(problems)
+
+
+def manager_violations(kv_cache_manager: Any, *, all_done: bool = False) -> list[str]:
+    """What is wrong between a KVCacheManager's requests and its pool.
+
+    Every block a request holds is allocated (ref_cnt at least the number of
+    requests holding it), belongs to one KV cache group, and appears once in
+    the request's list; with all_done, no request is left. Plus the pool's
+    own checks.
+    """
+    pool = kv_cache_manager.block_pool
+    out = pool_violations(pool, all_done=all_done)
+    holders: dict[int, int] = {}
+    group_of: dict[int, int] = {}
+    managers = kv_cache_manager.coordinator.single_type_managers
+    for g, manager in enumerate(managers):
+        for req_id, blocks in manager.req_to_blocks.items():
+            seen = set()
+            for b in blocks:
+                if b.is_null:
+                    continue
+                if b.block_id in seen:
+                    out.append(f"{req_id} holds block {b.block_id} twice in group {g}")
+                seen.add(b.block_id)
+                holders[b.block_id] = holders.get(b.block_id, 0) + 1
+                if group_of.setdefault(b.block_id, g) != g:
+                    out.append(
+                        f"block {b.block_id} is held in groups "
+                        f"{group_of[b.block_id]} and {g}"
+                    )
+        if all_done and (manager.req_to_blocks or manager.num_cached_block):
+            out.append(
+                f"group {g} still tracks requests "
+                f"{sorted(set(manager.req_to_blocks) | set(manager.num_cached_block))}"
+            )
+    for block_id, n in sorted(holders.items()):
+        ref_cnt = pool.blocks[block_id].ref_cnt
+        if ref_cnt < n:
+            out.append(f"block {block_id} is held {n} times but has ref_cnt {ref_cnt}")
+    return out
+
+
+def assert_manager_ok(
+    kv_cache_manager: Any, *, all_done: bool = False, label: str = "KV cache"
+) -> None:
+    problems = manager_violations(kv_cache_manager, all_done=all_done)
+    assert not problems, f"{label} is inconsistent:\n  " + "\n  ".join(problems)
+
+
+def manager_snapshot(kv_cache_manager: Any) -> dict[str, Any]:
+    """What a refused allocation must leave as it was.
+
+    The free queue's order and the prefix-cache entries of free blocks are
+    left out: blocks an allocation popped and gave back return to the tail
+    of the queue, and lose the cache entry they were evicted from.
+    """
+    pool = kv_cache_manager.block_pool
+    blocks, _ = free_list(pool.free_block_queue, pool.num_gpu_blocks + 2)
+    managers = kv_cache_manager.coordinator.single_type_managers
+    return {
+        "groups": [
+            {
+                # An empty entry holds nothing (remove_skipped_blocks makes one).
+                "blocks": {
+                    r: [b.block_id for b in bs]
+                    for r, bs in m.req_to_blocks.items()
+                    if bs
+                },
+                "num_cached_block": dict(m.num_cached_block),
+                "new_block_ids": list(m.new_block_ids),
+            }
+            for m in managers
+        ],
+        "ref_cnt": [b.ref_cnt for b in pool.blocks if not b.is_null],
+        "free": sorted(b.block_id for b in blocks),
+        "num_free_blocks": pool.get_num_free_blocks(),
+        "held_hashes": [
+            (b.block_id, b.block_hash)
+            for b in pool.blocks
+            if b.ref_cnt > 0 and not b.is_null
+        ],
+    }

@@ -1,0 +1,78 @@
+"""Checks of the CPU offload side of an Engine run, by content tag.
+
+The fake copy engine copies each block's content tag, so what the CPU cache
+holds can be compared with what each request computed: a block that never
+reached the CPU is lost, one holding another tag is wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.request import Request
+
+from harness.engine import ContentOracle, Engine
+
+
+def new_request(
+    e: Engine, prompt: list[int], max_tokens: int = 1, req_id: str = "probe"
+) -> Request:
+    """A request hashed like the engine's, not added to its scheduler."""
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        block_hasher=e.block_hasher,
+    )
+
+
+def cpu_block_of(e: Engine, req: Request, index: int, group: int = 0) -> Any:
+    """The CPU block caching block `index` of `req` in `group`, or None."""
+    key = make_block_hash_with_group_id(req.block_hashes[index], group)
+    return e.offload.cpu_block_pool.cached_block_hash_to_block.get_one_block(key)
+
+
+def cpu_tag(e: Engine, req: Request, index: int, group: int = 0) -> Any:
+    block = cpu_block_of(e, req, index, group)
+    return None if block is None else e.kv.cpu.get(block.block_id)
+
+
+def lost_or_wrong_cpu_blocks(e: Engine, req_ids: list[str]) -> list[str]:
+    """Full-attention blocks the requests computed that the CPU lacks or
+    holds with the wrong content. Needs a CPU pool large enough that
+    nothing was evicted from it."""
+    oracle = ContentOracle(e.cfg.block_size)
+    problems = []
+    for req_id in req_ids:
+        req = e.requests[req_id]
+        for i in range(req.num_computed_tokens // e.cfg.block_size):
+            want = oracle.tag(req, 0, i, e.cfg.block_size)
+            got = cpu_tag(e, req, i)
+            if got != want:
+                what = "lost" if cpu_block_of(e, req, i) is None else "wrong"
+                problems.append(f"{req_id} block #{i}: {what} ({got!r})")
+    return problems
+
+
+def unordered_transfers(e: Engine) -> list[str]:
+    """Launched copies that break the store barrier's contract: a store
+    waits for the compute it reads and reads in stream order; a load
+    (pinned host memory) neither waits nor needs stream order."""
+
+    def order(x: dict[str, Any]) -> str | None:
+        return getattr(x.get("src_access_order"), "name", None)
+
+    problems = []
+    for x in e.copy_backend.launched:
+        kind = "store" if x["is_store"] else "load"
+        want = ("a wait event", "STREAM") if x["is_store"] else (None, "ANY")
+        got = (
+            "a wait event" if x.get("wait_event") is not None else None,
+            order(x),
+        )
+        if "src_access_order" not in x or got != want:
+            problems.append(f"{kind} {x['event_idx']}: {got}, want {want}")
+    return problems

@@ -1,0 +1,198 @@
+"""Run one soak workload against whichever vLLM tree is on PYTHONPATH.
+
+    python -m harness.soak_worker --workload NAME --seed N [--runs R] [--scale K]
+
+Runs seeds N .. N+R-1 in one process (vLLM's import costs more than a run)
+and prints a JSON list, one object per run: what happened (steps, requests completed and
+aborted, preemptions), what went wrong (a crash with its exception type and
+where in vLLM it was raised, invariant violations found after any step,
+content-tag mismatches, stores not ordered after compute, CPU blocks lost,
+blocks leaked at the end, requests that never finished) and how fast the
+scheduler stepped. Progress goes to stderr. scripts/soak.py runs it on the
+base and the series and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import traceback
+from typing import Any
+
+from harness.engine import Engine
+from harness.invariants import manager_violations, pool_violations
+from harness.offload_checks import lost_or_wrong_cpu_blocks, unordered_transfers
+from harness.peer import PeerEngine
+from harness.workloads import WORKLOADS, Plan
+
+MAX_STEPS = 20_000
+DRAIN_STEPS = 2_000
+
+
+def where(exc: BaseException) -> str:
+    """The innermost frame in vLLM's own code (file:line function)."""
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if "/vllm/" in f.filename and "/harness/" not in f.filename
+    ]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    path = f.filename[f.filename.rindex("/vllm/") + 1 :]
+    return f"{path}:{f.lineno} {f.name}"
+
+
+class Run:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.e = Engine(plan.cfg)
+        self.peer = PeerEngine(self.e.block_pool) if plan.peer_strikes else None
+        self.violation_steps = 0
+        self.first_violation: str | None = None
+        self.ids: list[str] = []
+        self.held_since: int | None = None
+
+    def check(self) -> None:
+        problems = manager_violations(self.e.scheduler.kv_cache_manager)
+        if self.e.offload is not None:
+            problems += [
+                f"CPU pool: {p}"
+                for p in pool_violations(
+                    self.e.offload.cpu_block_pool, hashed_means_cached=False
+                )
+            ]
+        if problems:
+            self.violation_steps += 1
+            if self.first_violation is None:
+                self.first_violation = f"step {self.e.stats.steps}: {problems[0]}"
+
+    def events(self, arrivals: list, aborts: dict[int, list[str]]) -> None:
+        step = self.e.stats.steps
+        while arrivals and arrivals[0].step <= step:
+            a = arrivals.pop(0)
+            req_id = self.e.add_request(a.prompt, a.max_tokens)
+            self.ids.append(req_id)
+            if a.abort_at is not None:
+                aborts.setdefault(max(a.abort_at, step + 1), []).append(req_id)
+        for req_id in aborts.pop(step, []):
+            if req_id not in self.e.stats.finished:
+                self.e.abort(req_id)
+        if self.peer is None:
+            return
+        if step in self.plan.peer_strikes:
+            self.peer.arm()
+        # The peer gives its blocks back peer_hold steps after taking them.
+        if self.peer.held and self.held_since is None:
+            self.held_since = step
+        if (
+            self.held_since is not None
+            and step >= self.held_since + self.plan.peer_hold
+        ):
+            self.peer.release()
+            self.held_since = None
+
+    def step(self) -> None:
+        self.e.step()
+        self.check()
+
+    def go(self) -> dict[str, Any]:
+        arrivals = sorted(self.plan.arrivals, key=lambda a: a.step)
+        aborts: dict[int, list[str]] = {}
+        total = len(arrivals)
+        while arrivals or self.e.busy():
+            if self.e.stats.steps >= MAX_STEPS:
+                break
+            self.events(arrivals, aborts)
+            self.step()
+        if self.peer is not None:
+            self.peer.disarm()
+            self.peer.release()
+        for _ in range(DRAIN_STEPS):  # transfers still in flight
+            if not self.e.busy():
+                break
+            self.step()
+        return self.report(total)
+
+    def report(self, total: int) -> dict[str, Any]:
+        e = self.e
+        done = manager_violations(e.scheduler.kv_cache_manager, all_done=True)
+        leaked_gpu = sum(
+            1 for b in e.block_pool.blocks if b.ref_cnt > 0 and not b.is_null
+        )
+        out = {
+            "requests": total,
+            "completed": len(e.stats.finished - e.stats.aborted),
+            "aborted": len(e.stats.aborted),
+            "unfinished": total - len(e.stats.finished | e.stats.aborted),
+            "leaked_gpu_blocks": leaked_gpu,
+            "leak_detail": done[:3],
+            "content_violations": len(e.runner.violations),
+            "first_content_violation": str(e.runner.violations[0])
+            if e.runner.violations
+            else None,
+        }
+        if e.offload is not None:
+            cpu = e.offload.cpu_block_pool
+            out["leaked_cpu_blocks"] = sum(
+                1 for b in cpu.blocks if b.ref_cnt > 0 and not b.is_null
+            )
+            out["pinned_cpu_hits"] = len(getattr(e.offload, "_pinned_cpu_hits", {}))
+            out["unordered_stores"] = sum(
+                1 for p in unordered_transfers(e) if p.startswith("store")
+            )
+            if self.plan.check_cpu_content:
+                finished = sorted(e.stats.finished - e.stats.aborted)
+                out["lost_cpu_blocks"] = len(lost_or_wrong_cpu_blocks(e, finished))
+        return out
+
+
+def run(name: str, seed: int, scale: int) -> dict[str, Any]:
+    plan = WORKLOADS[name].make(random.Random(f"{name}/{seed}"), scale)
+    result: dict[str, Any] = {"workload": name, "seed": seed, "crash": None}
+    start = time.perf_counter()
+    r = Run(plan)
+    try:
+        result.update(r.go())
+    except Exception as exc:  # a crash is a result, reported with its place
+        result["crash"] = {
+            "type": type(exc).__name__,
+            "where": where(exc),
+            "message": str(exc).splitlines()[0][:200] if str(exc) else "",
+        }
+        result["completed"] = len(r.e.stats.finished - r.e.stats.aborted)
+        result["requests"] = len(plan.arrivals)
+    result.update(
+        {
+            "steps": r.e.stats.steps,
+            "preemptions": r.e.stats.preemptions,
+            "violation_steps": r.violation_steps,
+            "first_violation": r.first_violation,
+            "wall_seconds": round(time.perf_counter() - start, 2),
+            "scheduler_seconds": r.e.stats.scheduler_seconds,
+        }
+    )
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    p.add_argument("--seed", type=int, default=0, help="first seed")
+    p.add_argument("--runs", type=int, default=1, help="seeds to run")
+    p.add_argument("--scale", type=int, default=1, help="more requests per run")
+    args = p.parse_args()
+    results = []
+    for i in range(args.runs):
+        results.append(run(args.workload, args.seed + i, args.scale))
+        print(f"progress {i + 1}/{args.runs}", file=sys.stderr, flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Reproducer for patch 0004: eager offload stores a finishing request's
+last block.
+
+Eager stores cover blocks confirmed before the step (connector metadata is
+built before num_computed_tokens advances), so the block a request
+completes in the step it finishes in was never stored on the base
+(vllm#41704). Seed 002's scenario through the real scheduler: a two-block
+prompt prefilled in two chunks finishes with its second chunk; a later
+prompt extending it finds one block on the CPU on the base, two with the
+series.
+"""
+
+from __future__ import annotations
+
+from harness.engine import Engine, HarnessConfig
+from harness.invariants import assert_pool_ok
+from harness.offload_checks import cpu_block_of, lost_or_wrong_cpu_blocks
+
+BS = 16
+PROMPT = list(range(100, 100 + 2 * BS))
+EXTENDED = PROMPT + list(range(900, 900 + BS + 1))
+
+
+def engine(store_delay: int = 0) -> Engine:
+    # One block of prefill per step: the prompt's second block is computed
+    # in the step that samples its only output token.
+    cfg = HarnessConfig(
+        block_size=BS,
+        num_gpu_blocks=32,
+        num_cpu_blocks=32,
+        max_num_batched_tokens=BS,
+        transfer_delay=lambda is_store: store_delay if is_store else 0,
+    )
+    return Engine(cfg)
+
+
+def assert_all_released(e: Engine) -> None:
+    assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
+    assert_pool_ok(
+        e.offload.cpu_block_pool,
+        all_done=True,
+        label="CPU pool",
+        hashed_means_cached=False,
+    )
+
+
+def test_extended_prompt_hits_both_blocks():
+    e = engine()
+    a = e.add_request(PROMPT, max_tokens=1)
+    e.step()
+    e.step()
+    assert e.stats.finished == {a}, "finished with its second block"
+    e.run()
+
+    # Only the CPU has the prompt now; the extension loads what it holds.
+    assert e.block_pool.reset_prefix_cache()
+    b = e.add_request(EXTENDED, max_tokens=1)
+    e.run()
+    loads = [x for x in e.copy_backend.launched if not x["is_store"]]
+    cpu_hit_tokens = sum(len(x["pairs"]) for x in loads) * BS
+    assert cpu_hit_tokens == 2 * BS, "the base stores one block of two"
+    assert lost_or_wrong_cpu_blocks(e, [a]) == []
+    assert e.stats.finished == {a, b}
+    assert e.runner.violations == []
+    assert_all_released(e)
+
+
+def test_flush_keeps_state_until_store_completes_and_returns_gpu_refs():
+    e = engine(store_delay=3)
+    a = e.add_request(PROMPT, max_tokens=1)
+    e.step()
+    e.step()
+    assert e.stats.finished == {a}
+    # Finished, its blocks freed by the scheduler, but the final block is
+    # queued for store: the request's store state stays, and the block
+    # keeps the ref the flush took.
+    state = e.offload._reqs_to_store[a]
+    assert state.finished
+    (gpu_id,) = e.offload._finish_flushes[a].gpu_block_ids
+    assert gpu_id == e.runner.tables[a][0][1]
+    assert e.block_pool.blocks[gpu_id].ref_cnt == 1
+
+    e.step()  # the flush joins this step's store event
+    assert state.store_events and a in e.offload._reqs_to_store
+    e.run()
+    assert a not in e.offload._reqs_to_store
+    assert e.offload._finish_flushes == {}
+    req = e.requests[a]
+    assert cpu_block_of(e, req, 0) and cpu_block_of(e, req, 1)
+    assert lost_or_wrong_cpu_blocks(e, [a]) == []
+    assert_all_released(e)
+
+
+def test_aborted_request_flushes_confirmed_blocks_only():
+    e = engine()
+    a = e.add_request(PROMPT + list(range(700, 720)), max_tokens=4)
+    e.step()
+    e.step()
+    e.abort(a)  # two blocks computed, the first stored, none beyond
+    e.run()
+    req = e.requests[a]
+    assert req.num_computed_tokens == 2 * BS
+    assert lost_or_wrong_cpu_blocks(e, [a]) == []
+    assert_all_released(e)

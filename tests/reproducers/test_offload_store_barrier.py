@@ -1,0 +1,135 @@
+"""Reproducer for patch 0005: GPU->CPU stores are ordered after compute.
+
+A store reads the live GPU KV cache from its own copy stream. On the base
+nothing orders it after the compute stream's writes to those blocks, and
+srcAccessOrder=ANY even lets the DMA read early: when the host runs ahead,
+the store copies stale KV into the CPU cache (vllm#45704).
+
+On a CPU the contract is checked: through the real scheduler and worker,
+every store hands the copy backend a compute-done event and STREAM order,
+every load neither. On a GPU the race itself is run: the KV write is held
+back with torch.cuda._sleep, and stores with and without the barrier are
+counted stale or not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.engine import (
+    Engine,
+    FakeComputeEvent,
+    HarnessConfig,
+    make_kv_cache_config,
+    make_vllm_config,
+)
+from harness.offload_checks import unordered_transfers
+
+BS = 16
+PROMPT = list(range(100, 200))
+
+
+def test_store_waits_for_compute_load_does_not():
+    cfg = HarnessConfig(block_size=BS, num_gpu_blocks=32, num_cpu_blocks=32)
+    e = Engine(cfg)
+    e.add_request(PROMPT, max_tokens=3)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    e.add_request(PROMPT + [7, 8], max_tokens=3)
+    e.run()
+
+    stores = [x for x in e.copy_backend.launched if x["is_store"]]
+    loads = [x for x in e.copy_backend.launched if not x["is_store"]]
+    assert stores and loads
+    assert unordered_transfers(e) == []
+    assert all(isinstance(x["wait_event"], FakeComputeEvent) for x in stores)
+    assert e.runner.violations == []
+
+
+# --- on a GPU: the race, both ways --------------------------------------------
+
+ITERATIONS = 100
+# About 10 ms of GPU time: far longer than it takes to launch the store.
+SLEEP_CYCLES = 20_000_000
+BLOCK_BYTES = 1 << 20
+
+
+def make_gpu_worker(monkeypatch: pytest.MonkeyPatch):
+    from vllm.v1.simple_kv_offload import worker as worker_module
+
+    # The CPU platform plugin of the test environment says "no pinned
+    # memory"; this machine has CUDA, and the DMA path wants pinned memory.
+    monkeypatch.setattr(worker_module, "is_pin_memory_available", lambda: True)
+    cfg = HarnessConfig(num_gpu_blocks=4, num_cpu_blocks=4)
+    worker = worker_module.SimpleCPUOffloadWorker(
+        make_vllm_config(cfg), make_kv_cache_config(cfg), 4 * BLOCK_BYTES
+    )
+    gpu = torch.zeros(4, BLOCK_BYTES, dtype=torch.uint8, device="cuda")
+    worker.register_kv_caches({"full.0": gpu})
+    return worker, gpu, worker.cpu_kv_caches["full.0"]
+
+
+def wait_for_store(worker, event_idx: int) -> None:
+    """Poll the worker as the engine does until the store reports done."""
+    while True:
+        assert worker._backend._thread.is_alive(), "the copy thread died"
+        worker.get_finished(set())
+        meta = worker.build_connector_worker_meta()
+        if meta is not None and event_idx in meta.completed_store_events:
+            return
+
+
+def count_stale_stores(worker, gpu, cpu, barrier: bool, first_event: int) -> int:
+    from vllm.v1.simple_kv_offload.cuda_mem_ops import SrcAccessOrder
+    from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
+
+    stale = 0
+    for i in range(ITERATIONS):
+        event_idx, value = first_event + i, i % 250 + 1
+        # The compute stream writes the block late, after the store launches.
+        torch.cuda._sleep(SLEEP_CYCLES)
+        gpu[1].fill_(value)
+        if barrier:  # the worker's own store path
+            worker.bind_connector_metadata(
+                SimpleCPUOffloadMetadata(
+                    store_event=event_idx, store_gpu_blocks=[1], store_cpu_blocks=[1]
+                )
+            )
+            worker.get_finished(set())
+            worker.clear_connector_metadata()
+        else:  # the base's store: no wait, source read in any order
+            worker._pending_store_event_indices.add(event_idx)
+            worker._backend.launch_copy(
+                [1],
+                [1],
+                is_store=True,
+                event_idx=event_idx,
+                events_list=worker._store_events,
+                wait_event=None,
+                src_access_order=SrcAccessOrder.ANY,
+            )
+        wait_for_store(worker, event_idx)
+        torch.cuda.synchronize()
+        stale += bool((cpu[1] != value).any())
+    return stale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_store_never_reads_a_delayed_kv_write_on_gpu(monkeypatch):
+    pytest.importorskip("cuda.bindings")
+    worker, gpu, cpu = make_gpu_worker(monkeypatch)
+    try:
+        without = count_stale_stores(worker, gpu, cpu, False, first_event=0)
+        with_barrier = count_stale_stores(
+            worker, gpu, cpu, True, first_event=ITERATIONS
+        )
+    finally:
+        worker._backend.shutdown()
+    print(
+        f"\nstale stores over {ITERATIONS} iterations: without barrier "
+        f"{without}, with barrier {with_barrier}"
+    )
+    assert without > 0, "the control never raced: the test proves nothing"
+    assert with_barrier == 0

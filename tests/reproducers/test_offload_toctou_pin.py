@@ -1,0 +1,127 @@
+"""Reproducer for patch 0003: a CPU hit stays pinned until it is loaded.
+
+The scheduler asks SimpleCPUOffloadScheduler for a request's CPU hit
+(get_num_new_matched_tokens), allocates GPU blocks, then registers the load
+(update_state_after_alloc). On the base the hit is not held in between:
+CPU stores that run in between evict it from the CPU LRU and the second
+call asserts "Expected N hit tokens, got 0" (vllm#39702). Here the two
+calls are driven as the scheduler makes them, around real CPU-pool
+evictions caused by other requests' stores through the real scheduler.
+"""
+
+from __future__ import annotations
+
+from harness.engine import ContentOracle, Engine, HarnessConfig
+from harness.invariants import assert_pool_ok
+from harness.offload_checks import cpu_block_of, new_request
+
+BS = 16
+PROMPT_A = list(range(100, 133))  # two full blocks and one token
+PROMPT_C = list(range(300, 333))
+PROMPT_D = list(range(500, 533))
+
+
+def engine(num_cpu_blocks: int, num_gpu_blocks: int = 32) -> Engine:
+    # Eager stores; the CPU pool keeps one block as its null block.
+    cfg = HarnessConfig(
+        block_size=BS, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks
+    )
+    return Engine(cfg)
+
+
+def run_one(e: Engine, prompt: list[int], max_tokens: int = 2) -> str:
+    req_id = e.add_request(prompt, max_tokens=max_tokens)
+    e.run()
+    return req_id
+
+
+def assert_all_released(e: Engine) -> None:
+    assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
+    assert_pool_ok(
+        e.offload.cpu_block_pool,
+        all_done=True,
+        label="CPU pool",
+        hashed_means_cached=False,
+    )
+
+
+def test_cpu_hit_evicted_between_match_and_alloc_is_loaded():
+    e = engine(num_cpu_blocks=5)  # four usable CPU blocks
+    a = e.requests[run_one(e, PROMPT_A)]
+    assert cpu_block_of(e, a, 0) and cpu_block_of(e, a, 1), "A is on the CPU"
+    # Drop A from the GPU prefix cache so that only the CPU has it.
+    assert e.block_pool.reset_prefix_cache()
+
+    # The scheduler's first call for B (A's prompt): a two-block CPU hit.
+    kvm = e.scheduler.kv_cache_manager
+    b = new_request(e, PROMPT_A, req_id="b")
+    computed, num_local = kvm.get_computed_blocks(b)
+    hit, is_async = e.offload.get_num_new_matched_tokens(b, num_local)
+    assert (num_local, hit, is_async) == (0, 2 * BS, True)
+
+    # In between, C and D finish and are stored: four blocks into a CPU
+    # pool of four. Unpinned, A's blocks are the LRU ones and get evicted.
+    run_one(e, PROMPT_C)
+    run_one(e, PROMPT_D)
+
+    # The scheduler's second call, after allocating B's blocks.
+    assert kvm.allocate_slots(
+        b,
+        0,
+        num_new_computed_tokens=num_local,
+        new_computed_blocks=computed,
+        num_external_computed_tokens=hit,
+        delay_cache_blocks=True,
+    )
+    e.offload.update_state_after_alloc(b, kvm.get_blocks("b"), hit)
+
+    # B loads A's CPU blocks, and they still hold A's content.
+    load = e.offload._reqs_to_load["b"].transfer_meta
+    oracle = ContentOracle(BS)
+    assert [e.kv.cpu[c] for c in load.cpu_block_ids] == [
+        oracle.tag(a, 0, i, BS) for i in range(2)
+    ]
+    assert load.gpu_block_ids == kvm.get_block_ids("b")[0][:2]
+
+    # B finishes before its load is sent: every ref it took is given back.
+    e.offload.request_finished_all_groups(b, kvm.get_block_ids("b"))
+    kvm.free(b)
+    assert_all_released(e)
+
+
+def test_pin_is_not_stacked_by_retries_and_is_released_on_abort():
+    # B waits behind a long request that holds most of the GPU: each step
+    # the scheduler finds B's CPU hit again, and cannot admit B.
+    e = engine(num_cpu_blocks=32, num_gpu_blocks=8)
+    a = e.requests[run_one(e, PROMPT_A)]
+    assert e.block_pool.reset_prefix_cache()
+    e.add_request(list(range(1000, 1081)), max_tokens=24)
+    e.step()
+    b = e.add_request(PROMPT_A, max_tokens=2)
+    hit_blocks = [cpu_block_of(e, a, i) for i in range(2)]
+    for _ in range(4):
+        e.step()
+        assert b in e.offload._pinned_cpu_hits
+        assert [blk.ref_cnt for blk in hit_blocks] == [1, 1]
+    e.abort(b)
+    assert b not in e.offload._pinned_cpu_hits
+    assert [blk.ref_cnt for blk in hit_blocks] == [0, 0]
+    e.run()
+    assert e.runner.violations == []
+    assert_all_released(e)
+
+
+def test_pinned_hit_is_loaded_once_the_request_is_admitted():
+    e = engine(num_cpu_blocks=32, num_gpu_blocks=8)
+    run_one(e, PROMPT_A)
+    assert e.block_pool.reset_prefix_cache()
+    long = e.add_request(list(range(1000, 1081)), max_tokens=8)
+    e.step()
+    b = e.add_request(PROMPT_A, max_tokens=3)
+    e.run()
+    assert e.stats.finished == {"r0", long, b}
+    loads = [x for x in e.copy_backend.launched if not x["is_store"]]
+    assert [len(x["pairs"]) for x in loads] == [2]
+    assert e.runner.violations == []
+    assert e.offload._pinned_cpu_hits == {}
+    assert_all_released(e)

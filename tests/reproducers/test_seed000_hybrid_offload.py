@@ -1,0 +1,98 @@
+"""Reproducer for seed 000 (vllm-project/vllm#42085) and its root cause.
+
+Hybrid model (full attention + sliding window groups in one pool), eager
+SimpleCPUOffload, prefix caching, chunked prefill with chunks longer than
+the window, and a pool the first long request nearly fills. Two long
+requests back to back: on the unpatched base the second one kills the
+engine with popleft_n's AssertionError out of Scheduler.schedule().
+
+The root cause is in the offload connector: its eager store scan follows
+block ids the scheduler freed when they left the window, so one GPU block
+is stored twice in one event and its completion frees it twice. The free
+queue then counts more blocks than it links.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from harness.engine import Engine, HarnessConfig
+from harness.invariants import assert_pool_ok, pool_violations
+
+# 52 blocks of 16 tokens, a 48-token window and 256-token chunks: a
+# 445-token request takes 28 full attention blocks plus up to 19 window
+# blocks while it prefills, so freed window blocks are reused at once.
+PROMPT_A = list(range(1000, 1445))
+PROMPT_B = list(range(20000, 20445))
+
+
+def seed000_engine(store_delay: int) -> Engine:
+    return Engine(
+        HarnessConfig(
+            block_size=16,
+            num_gpu_blocks=52,
+            num_cpu_blocks=1024,
+            hybrid=True,
+            sliding_window=48,
+            max_num_batched_tokens=256,
+            transfer_delay=lambda is_store: store_delay if is_store else 0,
+        )
+    )
+
+
+class PoolWatch:
+    """Checks the GPU pool after every step; keeps the first problem found."""
+
+    def __init__(self) -> None:
+        self.first: tuple[int, list[str]] | None = None
+
+    def __call__(self, e: Engine) -> None:
+        if self.first is None and (problems := pool_violations(e.block_pool)):
+            self.first = (e.stats.steps, problems[:5])
+
+
+def run_two_long_requests(store_delay: int) -> None:
+    e = seed000_engine(store_delay)
+    watch = PoolWatch()
+    e.add_request(PROMPT_A, max_tokens=8)
+    e.run(after_step=watch)
+    # On the base, the next schedule() raises AssertionError from popleft_n.
+    e.add_request(PROMPT_B, max_tokens=8)
+    e.run(after_step=watch)
+
+    assert watch.first is None, f"GPU pool inconsistent after step {watch.first}"
+    assert len(e.stats.finished) == 2
+    assert e.runner.violations == [], e.runner.violations[0]
+    assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
+    assert_pool_ok(
+        e.offload.cpu_block_pool,
+        all_done=True,
+        label="CPU pool",
+        hashed_means_cached=False,
+    )
+
+
+def test_second_long_request_does_not_crash():
+    run_two_long_requests(store_delay=0)
+
+
+def test_second_long_request_with_late_stores():
+    # Stores complete two steps after launch: the first request finishes
+    # with stores in flight, as in the seed.
+    run_two_long_requests(store_delay=2)
+
+
+def test_store_event_names_each_gpu_block_once():
+    e = seed000_engine(store_delay=0)
+    watch = PoolWatch()
+    e.add_request(PROMPT_A, max_tokens=8)
+    e.run(after_step=watch)
+
+    stores = [x for x in e.copy_backend.launched if x["is_store"]]
+    assert stores, "the request should have been offloaded"
+    for store in stores:
+        gpu_ids = Counter(src for src, _ in store["pairs"])
+        twice = sorted(b for b, n in gpu_ids.items() if n > 1)
+        assert not twice, f"store event {store['event_idx']} lists {twice} twice"
+    assert watch.first is None, f"GPU pool inconsistent after step {watch.first}"
+    assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
