@@ -141,8 +141,16 @@ def reproducers(python: Path, trees: Trees) -> tuple[bool, str]:
     patches = trees.series.patches()
     if not patches:
         return True, "series has no patches"
+    # A reproducer file belongs to the patches that name its tests: a series
+    # for another release runs only its own patches' files (the others are
+    # patches it does not carry, upstream there or not ported yet).
+    files = sorted({t.split("::")[0] for p in patches for t in p.reproducers()})
     base, patched = both_trees(
-        python, trees, "reproducers", [str(REPRODUCERS)], cwd_base=ROOT
+        python,
+        trees,
+        "reproducers",
+        ["--continue-on-collection-errors", *(files or [str(REPRODUCERS)])],
+        cwd_base=ROOT,
     )
     problems, checked = [], 0
     named = set()
@@ -164,7 +172,7 @@ def reproducers(python: Path, trees: Trees) -> tuple[bool, str]:
             problems.append(f"{test_id} fails with the series")
     detail = (
         f"{checked} reproducer tests of {len(patches)} patches: "
-        f"fail on the base, pass with the series"
+        f"fail on the base, pass with the series ({len(files)} files)"
     )
     if problems:
         detail = "\n".join(problems)
