@@ -1,8 +1,10 @@
 """Hypothesis state machines over vLLM's free block queue and block pool.
 
 Random sequences of the operations the scheduler and the offload connector
-perform (allocate, cache, touch, free, evict, pop, remove), with the pool's
-invariants checked after every step against a plain-Python model. The
+perform (allocate, cache, touch, free, evict, pop, remove; admit, prefill,
+decode, preempt and finish requests through the KV cache manager), with the
+invariants checked after every step, against a plain-Python model where
+there is one. The
 example budget is small in `make test` and larger in `make soak`
 (HYPOTHESIS_PROFILE=soak, see tests/conftest.py).
 """
@@ -22,6 +24,7 @@ from hypothesis.stateful import (
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -30,10 +33,17 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from harness.invariants import pool_snapshot, pool_violations, queue_snapshot
+from harness.engine import HarnessConfig, make_kv_cache_config
+from harness.invariants import (
+    manager_violations,
+    pool_snapshot,
+    pool_violations,
+    queue_snapshot,
+)
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
+CHUNK = 3 * BLOCK_SIZE  # tokens per prefill chunk, as max_num_batched_tokens
 init_none_hash(sha256)
 HASHER = get_request_block_hasher(BLOCK_SIZE, sha256)
 
@@ -169,3 +179,112 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
 test_free_queue = FreeQueueMachine.TestCase
 test_block_pool = BlockPoolMachine.TestCase
+
+
+class KVCacheManagerMachine(RuleBasedStateMachine):
+    """The KV cache manager driven as the scheduler drives it.
+
+    Requests with shared prefixes are admitted (prefix hits, then a chunk),
+    prefilled in chunks, decoded token by token, preempted when an
+    allocation is refused, finished, and cached blocks are evicted. Hybrid:
+    a full attention and a sliding window group share the pool. After every
+    rule: each held block is allocated once per holder and in one group, and
+    the pool's free list matches its count.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = HarnessConfig(
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks=NUM_BLOCKS * 2,
+            hybrid=True,
+            sliding_window=3 * BLOCK_SIZE,
+        )
+        self.kvm = KVCacheManager(
+            make_kv_cache_config(cfg),
+            max_model_len=512,
+            hash_block_size=BLOCK_SIZE,
+            max_num_batched_tokens=CHUNK,
+        )
+        self.running: dict[str, Request] = {}
+        # Refused admissions wait and are retried; the scheduler frees them
+        # (free() of a request that holds nothing) when they finish or abort.
+        self.waiting: dict[str, Request] = {}
+        self.ids = 0
+
+    def admit(self, req: Request) -> bool:
+        computed, num_local = self.kvm.get_computed_blocks(req)
+        num_new = min(CHUNK, req.num_tokens - num_local)
+        if (
+            self.kvm.allocate_slots(
+                req,
+                num_new,
+                num_new_computed_tokens=num_local,
+                new_computed_blocks=computed,
+            )
+            is None
+        ):
+            return False
+        req.num_computed_tokens = num_local + num_new
+        self.waiting.pop(req.request_id, None)
+        self.running[req.request_id] = req
+        return True
+
+    @rule(prefix=st.integers(0, 2), extra=st.integers(1, 6 * BLOCK_SIZE))
+    def new_request(self, prefix: int, extra: int) -> None:
+        self.ids += 1
+        tokens = [prefix * 1000 + i for i in range(4 * BLOCK_SIZE)]
+        tokens += [self.ids * 10_000 + i for i in range(extra)]
+        req = Request(
+            f"r{self.ids}",
+            tokens,
+            SamplingParams(max_tokens=64),
+            None,
+            block_hasher=HASHER,
+        )
+        if not self.admit(req):
+            self.waiting[req.request_id] = req
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def retry(self, data: st.DataObject) -> None:
+        self.admit(self.waiting[data.draw(st.sampled_from(sorted(self.waiting)))])
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """A prefill chunk or a decode token; preempt when refused."""
+        req = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        if req.num_computed_tokens < req.num_tokens:
+            num_new = min(CHUNK, req.num_tokens - req.num_computed_tokens)
+        else:
+            req.append_output_token_ids(7)
+            num_new = 1
+        if self.kvm.allocate_slots(req, num_new) is None:
+            self.kvm.free(req)  # preempted: back to waiting, holding nothing
+            req.num_computed_tokens = 0
+            self.waiting[req.request_id] = self.running.pop(req.request_id)
+        else:
+            req.num_computed_tokens += num_new
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        req = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
+        self.kvm.free(req)
+
+    @rule(ids=st.sets(st.integers(1, 2 * NUM_BLOCKS - 1), max_size=4))
+    def evict(self, ids: set[int]) -> None:
+        self.kvm.block_pool.evict_blocks(ids)
+
+    @invariant()
+    def consistent(self) -> None:
+        assert manager_violations(self.kvm) == []
+
+    def teardown(self) -> None:
+        for req in [*self.running.values(), *self.waiting.values()]:
+            self.kvm.free(req)
+        assert manager_violations(self.kvm, all_done=True) == []
+
+
+test_kv_cache_manager = KVCacheManagerMachine.TestCase
