@@ -47,6 +47,7 @@ from rebase import (
     CONFLICT,
     MERGED,
     RESOLUTIONS,
+    TREE_PORTS,
     UPSTREAM,
     am_in_progress,
     build_old_series,
@@ -123,6 +124,7 @@ def build(
     build_old_series(tree, series)
     # Recorded resolutions of every series in the project, and nothing else.
     shutil.rmtree(gitdir(tree) / "rr-cache", ignore_errors=True)
+    shutil.rmtree(gitdir(tree) / TREE_PORTS, ignore_errors=True)
     sources = sorted({series.dir / RESOLUTIONS, *DEFAULT_SERIES.glob("**/resolutions")})
     seed_resolutions(tree, sources, time.time() - 60)
     ids = [t for p in series.patches() for t in p.reproducers()]

@@ -34,10 +34,12 @@ patches), so the series directory may change meanwhile.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -87,6 +89,11 @@ CLEAN, MERGED, UPSTREAM, CONFLICT, PENDING = (
 OLD_SERIES_REF = "refs/vllm-fork/old-series"
 SNAPSHOT = "vllm-fork-rebase"  # in the tree's .git: the patches being replayed
 RESOLUTIONS = "resolutions"
+# Whole-file resolutions ("ports"), in RESOLUTIONS/ports/<key>/, and the
+# tree's copies of them.
+PORTS = "ports"
+PORT_META = "port.json"
+TREE_PORTS = "vllm-fork-ports"
 REPORT = "REBASE.md"
 LOGS = WORK / "logs"
 VERSION_RE = re.compile(r"v?(\d+\.\d+\.\d+(?:(?:\.post|\.dev|rc|a|b)\d+)*)")
@@ -100,6 +107,7 @@ class Outcome:
     detail: str
     files: list[str] = field(default_factory=list)
     conflict_ids: list[str] = field(default_factory=list)
+    port: str = ""
 
 
 @dataclass
@@ -114,6 +122,7 @@ class Entry:
     files: list[str] = field(default_factory=list)
     conflict_ids: list[str] = field(default_factory=list)
     new_name: str = ""
+    port: str = ""
 
 
 @dataclass
@@ -203,7 +212,10 @@ def seed_resolutions(tree: Path, sources: list[Path], mtime: float) -> int:
     for source in sources:
         if not source.is_dir():
             continue
+        seeded += seed_ports(tree, source / PORTS)
         for entry in sorted(p for p in source.iterdir() if p.is_dir()):
+            if entry.name == PORTS:
+                continue
             dest = cache / entry.name
             if (dest / "postimage").exists():
                 continue
@@ -253,6 +265,85 @@ def save_resolutions(tree: Path, ids: list[str], dest: Path) -> list[str]:
     return saved
 
 
+# --- ports: whole-file resolutions -------------------------------------------
+# rerere replays the resolution of each conflicted hunk, not the edits made
+# around them. A port (a patch rewritten for the new release) changes more
+# than the hunks, so each hand resolution is also kept whole: the files the
+# patch touches as resolved, keyed on the patch and on those files before
+# it. A changed patch or base gets a new key: rerere's hunks, then the user.
+
+
+def port_key(tree: Path, patch: Path, before: str) -> str:
+    digest = hashlib.sha256(patch.read_bytes())
+    for path in patch_paths(patch):
+        blob = git(tree, "rev-parse", "-q", "--verify", f"{before}:{path}", check=False)
+        digest.update(f"\0{path}\0{blob or 'absent'}".encode())
+    return digest.hexdigest()[:40]
+
+
+def seed_ports(tree: Path, source: Path) -> int:
+    """Copy recorded ports into the tree (an entry there is kept)."""
+    if not source.is_dir():
+        return 0
+    seeded = 0
+    for entry in sorted(p for p in source.iterdir() if (p / PORT_META).exists()):
+        dest = gitdir(tree) / TREE_PORTS / entry.name
+        if not dest.exists():
+            shutil.copytree(entry, dest)
+            seeded += 1
+    return seeded
+
+
+def save_port(tree: Path, patch: Path, before: str, rev: str = "") -> str:
+    """Record the resolution of `patch` (staged, or committed at `rev`)."""
+    key = port_key(tree, patch, before)
+    dest = gitdir(tree) / TREE_PORTS / key
+    shutil.rmtree(dest, ignore_errors=True)
+    against = [rev] if rev else ["--cached"]
+    changed = git(tree, "diff", "--name-only", before, *against)
+    files: dict[str, bool] = {}
+    for path in sorted(set(patch_paths(patch)) | set(changed.split())):
+        proc = subprocess.run(
+            ["git", "-C", str(tree), "show", f"{rev}:{path}"], capture_output=True
+        )
+        files[path] = proc.returncode == 0
+        if files[path]:
+            (dest / "files" / path).parent.mkdir(parents=True, exist_ok=True)
+            (dest / "files" / path).write_bytes(proc.stdout)
+    dest.mkdir(parents=True, exist_ok=True)
+    meta = {"patch": patch.name, "files": files}
+    (dest / PORT_META).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    return key
+
+
+def apply_port(tree: Path, patch: Path, before: str) -> str:
+    """Stage the recorded port of `patch` on `before`, if there is one;
+    return its key ("" if none)."""
+    key = port_key(tree, patch, before)
+    src = gitdir(tree) / TREE_PORTS / key
+    if not (src / PORT_META).exists():
+        return ""
+    for path, present in json.loads((src / PORT_META).read_text())["files"].items():
+        if present:
+            (tree / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / "files" / path, tree / path)
+            git(tree, "add", "--", path)
+        else:
+            git(tree, "rm", "-q", "--ignore-unmatch", "--", path)
+    return key
+
+
+def save_ports(tree: Path, keys: list[str], dest: Path) -> list[str]:
+    """Copy the tree's ports of `keys` to dest/<key>/."""
+    saved = []
+    for key in sorted(set(keys)):
+        src = gitdir(tree) / TREE_PORTS / key
+        if (src / PORT_META).exists():
+            shutil.copytree(src, dest / key)
+            saved.append(key)
+    return saved
+
+
 # --- one patch ----------------------------------------------------------------
 
 
@@ -281,10 +372,13 @@ def am(tree: Path, *args: str) -> None:
     )
 
 
-def commit_resolution(tree: Path, before: str, how: str, version: str) -> Outcome:
+def commit_resolution(
+    tree: Path, before: str, how: str, version: str, port: str
+) -> Outcome:
     """Finish the stopped `git am` of one patch whose conflicts are resolved
-    and staged: record the resolution, then commit it, or skip the patch when
-    the resolution keeps the new release's code unchanged."""
+    and staged (its port recorded as `port`): record the hunks' resolutions,
+    then commit, or skip the patch when the resolution keeps the new
+    release's code unchanged."""
     ids = conflict_ids(tree)
     run(["git", "-C", tree, "rerere"], check=False)  # records the postimages
     if git_ok(tree, "diff", "--cached", "--quiet", before):
@@ -293,9 +387,10 @@ def commit_resolution(tree: Path, before: str, how: str, version: str) -> Outcom
             UPSTREAM,
             f"resolved to {version}'s code ({how}): nothing left to change",
             conflict_ids=ids,
+            port=port,
         )
     am(tree, "--continue")
-    return Outcome(MERGED, how, conflict_ids=ids)
+    return Outcome(MERGED, how, conflict_ids=ids, port=port)
 
 
 def reproducers_pass(ids: list[str], verdicts: dict[str, list[str]]) -> bool:
@@ -329,6 +424,8 @@ def replay_one(
                 UPSTREAM, f"its change is already in {version} (empty after merge)"
             )
         return Outcome(MERGED, "three-way merge")
+    if am_in_progress(tree) and (port := apply_port(tree, patch, before)):
+        return commit_resolution(tree, before, "recorded resolution", version, port)
     ids_now = conflict_ids(tree)
     files = unmerged_files(tree)
     # rerere replayed recorded resolutions for every conflict and staged them
@@ -338,7 +435,7 @@ def replay_one(
         and not files
         and "using previous resolution" in proc.stderr
     ):
-        return commit_resolution(tree, before, "recorded resolution", version)
+        return commit_resolution(tree, before, "recorded resolution", version, "")
     reason = "" if ids_now else (proc.stderr.strip().splitlines() or [""])[-1]
     return Outcome(
         CONFLICT,
@@ -560,6 +657,7 @@ def record(entry: Entry, outcome: Outcome, verdicts: dict) -> None:
         entry.detail += verdict_note(entry.reproducers, verdicts)
     entry.files = outcome.files
     entry.conflict_ids = sorted(set(entry.conflict_ids) | set(outcome.conflict_ids))
+    entry.port = outcome.port
 
 
 def conflict_stop(state: State, entry: Entry) -> ForkError:
@@ -624,13 +722,15 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
                 + f"\nRemove them, `git -C {t} add` the files, then "
                 + make_hint("rebase-continue", tree)
             )
+        port = save_port(tree, state.patch_file(entry), state.stopped_head)
         outcome = commit_resolution(
-            tree, state.stopped_head, "resolved by hand", new.version
+            tree, state.stopped_head, "resolved by hand", new.version, port
         )
     elif head(tree) != state.stopped_head:
         # The user finished the `git am` themselves.
         run(["git", "-C", tree, "rerere"], check=False)
-        outcome = Outcome(MERGED, "resolved by hand")
+        port = save_port(tree, state.patch_file(entry), state.stopped_head, "HEAD")
+        outcome = Outcome(MERGED, "resolved by hand", port=port)
     else:
         say(
             f"warning: the `git am` of {entry.name} was aborted or skipped by hand; "
@@ -676,6 +776,11 @@ def finish(state: State) -> State:
             entry.new_name = path.name
         saved = save_resolutions(
             tree, used_resolutions(tree, state.started), staging / RESOLUTIONS
+        )
+        saved += save_ports(
+            tree,
+            [e.port for e in state.patches if e.port],
+            staging / RESOLUTIONS / PORTS,
         )
         (staging / REPORT).write_text(report(state, saved))
         result = head(tree)
@@ -851,8 +956,8 @@ def report(state: State, saved: list[str]) -> str:
     if saved:
         lines += [
             "",
-            f"Conflict resolutions replayed by the next rebase ({RESOLUTIONS}/, "
-            "git rerere): " + ", ".join(saved),
+            f"Conflict resolutions replayed by the next rebase ({RESOLUTIONS}/: "
+            f"git rerere's hunks, and whole ports in {PORTS}/): " + ", ".join(saved),
         ]
     return "\n".join(lines) + "\n"
 

@@ -109,9 +109,11 @@ def test_every_patch_is_classified_and_the_conflict_resumes(five, project, capsy
         "0003-Conflict-change-line-20.patch",
     ]
     assert 'version = "9.9.10"' in (into / "base.toml").read_text()
-    ids = [p.name for p in (into / "resolutions").iterdir()]
+    ids = [p.name for p in (into / "resolutions").iterdir() if p.name != "ports"]
     assert len(ids) == 1
     assert (into / "resolutions" / ids[0] / "postimage").is_file()
+    ports = list((into / "resolutions" / "ports").iterdir())
+    assert len(ports) == 1 and (ports[0] / "port.json").is_file()
     report = (into / "REBASE.md").read_text()
     assert "| 0003-Fix-popleft_n-raises-ValueError.patch | upstream |" in report
     assert f"| {REPRODUCER} | passes |" in report
@@ -142,6 +144,36 @@ def test_a_recorded_resolution_is_replayed(five, project, tmp_path):
         "recorded resolution",
     )
     assert snapshot(into) == first
+
+
+def test_a_port_is_replayed_whole(five, project, tmp_path):
+    # A port may change a file the merge did not conflict in: rerere knows
+    # nothing of that file, the recorded port does.
+    with pytest.raises(ForkError):
+        start(five, project)
+    resolve_by_hand(five.tree)
+    other = "vllm/v1/core/kv_cache_utils.py"
+    (five.tree / other).write_text("def popleft_n(n):  # ported\n    assert n\n")
+    git(five.tree, "add", other)
+    rebase.resume(five.tree)
+    into = tmp_path / "into"
+    first = snapshot(into)
+    assert "# ported" in first["0003-Conflict-change-line-20.patch"].decode()
+    state = start(five, project, tree=tmp_path / "elsewhere")
+    assert [(e.state, e.detail) for e in state.patches][4] == (
+        "merged",
+        "recorded resolution",
+    )
+    assert snapshot(into) == first
+    # A changed patch does not get the old port: rerere replays the hunk it
+    # knows, and the edit of the other file is not there.
+    patch = five.series.dir / "0005-Conflict-change-line-20.patch"
+    patch.write_text(patch.read_text().replace("Conflict: change", "Conflict: edit"))
+    start(five, project, tree=tmp_path / "third")
+    assert (
+        "line twenty\n" in (tmp_path / "third/vllm/v1/core/block_pool.py").read_text()
+    )
+    assert "# ported" not in (tmp_path / "third" / other).read_text()
 
 
 def test_abort_puts_everything_back_and_keeps_the_unfinished_work(five, project):
