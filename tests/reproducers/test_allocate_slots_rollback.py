@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from harness.invariants import assert_manager_ok, manager_snapshot
+from harness.kv_manager import make_kv_cache_manager
 from harness.peer import PeerEngine
 
 BS = 16
@@ -66,12 +67,8 @@ def make_manager(layout: tuple[str, ...], num_blocks: int) -> KVCacheManager:
             for i, kind in enumerate(layout)
         ],
     )
-    return KVCacheManager(
-        config,
-        max_model_len=4096,
-        hash_block_size=BS,
-        max_num_batched_tokens=256,
-        enable_caching=True,
+    return make_kv_cache_manager(
+        config, max_model_len=4096, block_size=BS, max_tokens_per_step=256
     )
 
 
