@@ -39,7 +39,7 @@ from harness.invariants import (
     pool_violations,
     queue_snapshot,
 )
-from harness.kv_manager import make_kv_cache_manager
+from harness.kv_manager import computed_blocks, make_kv_cache_manager
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -213,7 +213,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.ids = 0
 
     def admit(self, req: Request) -> bool:
-        computed, num_local = self.kvm.get_computed_blocks(req)
+        computed, num_local = computed_blocks(self.kvm, req)
         num_new = min(CHUNK, req.num_tokens - num_local)
         if (
             self.kvm.allocate_slots(

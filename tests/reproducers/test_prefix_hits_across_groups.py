@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from harness.invariants import assert_manager_ok
-from harness.kv_manager import make_kv_cache_manager
+from harness.kv_manager import computed_blocks, make_kv_cache_manager
 
 BS = 16
 init_none_hash(sha256)
@@ -77,7 +77,7 @@ def test_external_tokens_do_not_take_another_groups_prefix_hit():
     manager.free(blocker)
 
     second = make_request("second", prompt + list(range(500, 500 + 4 * BS)))
-    hits, num_hit_tokens = manager.get_computed_blocks(second)
+    hits, num_hit_tokens = computed_blocks(manager, second)
     assert num_hit_tokens == 8 * BS
     swa_hit = hits.blocks[1][-1]
     # 8 hit blocks, then one block the connector loads, then new tokens.
