@@ -8,9 +8,17 @@ SimpleCPUOffloadConnector's scheduler side, and its worker side
   scheduler's output as a real runner does, "computes" KV by writing a
   content tag into every block it fills, checks the tag of every block it
   attends to, and samples one token per finished prefill/decode step;
-- the copy engine (FakeCopyBackend, in place of DmaCopyBackend): copies
-  content tags between the fake GPU and CPU caches, and completes each
-  transfer when the test says (at once, or some steps late).
+- the CUDA pieces of the copy path (harness.fake_cuda): streams, events and
+  the driver's batch memcpy. The release's own DmaCopyBackend runs on them,
+  copying content tags between the fake GPU and CPU caches, and each
+  transfer completes when the test says (at once, or some steps late).
+
+The worker is driven as each release's model runner drives its connector
+(KVConnectorModelRunnerMixin): handle_preemptions, bind, start_load_kv,
+forward, wait_for_save, get_finished, build_connector_worker_meta, clear.
+Releases differ in which of these launch the copies (up to 0.24
+get_finished launches both; from 0.30 start_load_kv loads and wait_for_save
+stores), so all of them are called.
 
 A content tag names the exact tokens a block holds (the chain of token
 blocks before it, and its own tokens), computed from the request's tokens
@@ -53,6 +61,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 from vllm.v1.structured_output import StructuredOutputManager
+
+from harness.fake_cuda import CopyEngine, FakeCuda
 
 MODEL_DIR = Path(__file__).parent / "model"
 NUM_KV_HEADS = 1
@@ -215,79 +225,6 @@ class FakeKV:
     cpu: dict[int, Any] = field(default_factory=dict)
 
 
-class FakeEvent:
-    """A transfer's completion event; copies the data when it completes."""
-
-    def __init__(
-        self, clock: Callable[[], int], ready_at: int, copy: Callable[[], None]
-    ):
-        self._clock, self._ready_at, self._copy = clock, ready_at, copy
-        self.done = False
-
-    def _complete(self) -> None:
-        if not self.done:
-            self.done = True
-            self._copy()
-
-    def query(self) -> bool:
-        if self._clock() >= self._ready_at:
-            self._complete()
-        return self.done
-
-    def synchronize(self) -> None:
-        self._complete()
-
-
-class FakeCopyBackend:
-    """Stands in for DmaCopyBackend: same launch_copy contract, no GPU.
-
-    The copy happens when the transfer completes, so a reader that does not
-    wait for completion sees stale data, and a source block reused before
-    its store completes is copied wrongly.
-    """
-
-    def __init__(
-        self, kv: FakeKV, clock: Callable[[], int], delay: Callable[[bool], int]
-    ):
-        self.kv, self._clock, self._delay = kv, clock, delay
-        self.launched: list[dict[str, Any]] = []
-
-    def launch_copy(
-        self,
-        src_blocks: list[int],
-        dst_blocks: list[int],
-        is_store: bool,
-        event_idx: int,
-        events_list: list[tuple[int, Any]],
-        **kwargs: Any,
-    ) -> None:
-        src, dst = (
-            (self.kv.gpu, self.kv.cpu) if is_store else (self.kv.cpu, self.kv.gpu)
-        )
-        pairs = list(zip(src_blocks, dst_blocks, strict=True))
-
-        def copy() -> None:
-            for s, d in pairs:
-                dst[d] = src.get(s)
-
-        self.launched.append(
-            {"is_store": is_store, "event_idx": event_idx, "pairs": pairs, **kwargs}
-        )
-        ready = self._clock() + self._delay(is_store)
-        events_list.append((event_idx, FakeEvent(self._clock, ready, copy)))
-
-    def shutdown(self) -> None:
-        pass
-
-
-@dataclass(frozen=True)
-class FakeComputeEvent:
-    """Stands in for the CUDA event a store waits on: the end of the compute
-    enqueued up to `step` (a CPU has no stream to record one on)."""
-
-    step: int
-
-
 @dataclass
 class Violation:
     step: int
@@ -413,20 +350,23 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.runner = FakeModelRunner(self.cfg, self.kv, self.requests)
         self.block_hasher = get_request_block_hasher(self.cfg.block_size, sha256)
-        self.copy_backend: FakeCopyBackend | None = None
+        self.cuda = FakeCuda(
+            self.kv.gpu,
+            self.kv.cpu,
+            self.cfg.num_gpu_blocks,
+            self.cfg.num_cpu_blocks,
+            clock=lambda: self.stats.steps,
+            delay=self.cfg.transfer_delay,
+        )
+        self.copy_backend: CopyEngine | None = None
         self.worker: SimpleCPUOffloadWorker | None = None
         if self.cfg.offload:
             self.worker = SimpleCPUOffloadWorker(
                 self.vllm_config, self.kv_cache_config, cpu_capacity_bytes=0
             )
-            self.copy_backend = FakeCopyBackend(
-                self.kv, lambda: self.stats.steps, self.cfg.transfer_delay
-            )
+            self.copy_backend = CopyEngine(self.cuda)
+            # In place of register_kv_caches, which needs CUDA tensors.
             self.worker._backend = self.copy_backend  # type: ignore[assignment]
-            # Used by the store barrier (patch 0005); unused on the base.
-            self.worker._record_compute_done = (  # type: ignore[attr-defined]
-                lambda: FakeComputeEvent(self.stats.steps)
-            )
         self._ids = itertools.count()
 
     # --- handles on the real objects -------------------------------------
@@ -466,17 +406,29 @@ class Engine:
         so = self.scheduler.schedule()
         self.stats.scheduler_seconds += time.perf_counter() - start
         self.stats.preemptions += len(so.preempted_req_ids or ())
-        out = self.runner.execute(so, self.stats.steps)
-        if self.worker is not None:
-            meta = so.kv_connector_metadata
-            self.worker.handle_preemptions(meta)
-            self.worker.bind_connector_metadata(meta)
-            _, finished_recving = self.worker.get_finished(so.finished_req_ids)
-            out.kv_connector_output = KVConnectorOutput(
-                finished_recving=finished_recving,
-                kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
-            )
-            self.worker.clear_connector_metadata()
+        w = self.worker
+        if w is None:
+            out = self.runner.execute(so, self.stats.steps)
+        else:
+            with self.cuda.active():
+                w.handle_preemptions(so.kv_connector_metadata)
+                w.bind_connector_metadata(so.kv_connector_metadata)
+                # Sync loads feed this step's forward (0.30+); others start
+                # after it is launched.
+                sync_loads = getattr(so, "has_sync_kv_loads", False)
+                if sync_loads:
+                    w.start_load_kv()
+                out = self.runner.execute(so, self.stats.steps)
+                if not sync_loads:
+                    w.start_load_kv()
+                w.wait_for_save()
+                sending, recving = w.get_finished(so.finished_req_ids)
+                out.kv_connector_output = KVConnectorOutput(
+                    finished_sending=sending,
+                    finished_recving=recving,
+                    kv_connector_worker_meta=w.build_connector_worker_meta(),
+                )
+                w.clear_connector_metadata()
         self.stats.steps += 1
         start = time.perf_counter()
         engine_outputs = self.scheduler.update_from_output(so, out)

@@ -58,21 +58,26 @@ def lost_or_wrong_cpu_blocks(e: Engine, req_ids: list[str]) -> list[str]:
 
 
 def unordered_transfers(e: Engine) -> list[str]:
-    """Launched copies that break the store barrier's contract: a store
-    waits for the compute it reads and reads in stream order; a load
-    (pinned host memory) neither waits nor needs stream order."""
-
-    def order(x: dict[str, Any]) -> str | None:
-        return getattr(x.get("src_access_order"), "name", None)
-
+    """Launched copies that break the store barrier's contract, as the copy
+    driver saw them: a store must be issued on a stream that waited for an
+    event recorded on the compute stream after this step's compute, and
+    read its source in stream order (STREAM), else the DMA may read KV the
+    compute has not written yet; a load reads stable pinned host memory and
+    needs neither (no wait, ANY)."""
     problems = []
     for x in e.copy_backend.launched:
         kind = "store" if x["is_store"] else "load"
-        want = ("a wait event", "STREAM") if x["is_store"] else (None, "ANY")
-        got = (
-            "a wait event" if x.get("wait_event") is not None else None,
-            order(x),
-        )
-        if "src_access_order" not in x or got != want:
-            problems.append(f"{kind} {x['event_idx']}: {got}, want {want}")
+        if not x["copies"]:
+            problems.append(f"{kind} {x['event_idx']}: no copy reached the driver")
+        for c in x["copies"]:
+            after_compute = any(
+                m.stream == "compute" and m.step >= x["step"] for m in c.waited
+            )
+            got = (after_compute, c.src_access_order)
+            want = (True, "STREAM") if x["is_store"] else (False, "ANY")
+            if got != want:
+                problems.append(
+                    f"{kind} {x['event_idx']}: (waits for compute, order) = "
+                    f"{got}, want {want}"
+                )
     return problems

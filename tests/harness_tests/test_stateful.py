@@ -24,7 +24,6 @@ from hypothesis.stateful import (
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
@@ -40,6 +39,7 @@ from harness.invariants import (
     pool_violations,
     queue_snapshot,
 )
+from harness.kv_manager import computed_blocks, make_kv_cache_manager
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -200,11 +200,11 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             hybrid=True,
             sliding_window=3 * BLOCK_SIZE,
         )
-        self.kvm = KVCacheManager(
+        self.kvm = make_kv_cache_manager(
             make_kv_cache_config(cfg),
             max_model_len=512,
-            hash_block_size=BLOCK_SIZE,
-            max_num_batched_tokens=CHUNK,
+            block_size=BLOCK_SIZE,
+            max_tokens_per_step=CHUNK,
         )
         self.running: dict[str, Request] = {}
         # Refused admissions wait and are retried; the scheduler frees them
@@ -213,7 +213,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.ids = 0
 
     def admit(self, req: Request) -> bool:
-        computed, num_local = self.kvm.get_computed_blocks(req)
+        computed, num_local = computed_blocks(self.kvm, req)
         num_new = min(CHUNK, req.num_tokens - num_local)
         if (
             self.kvm.allocate_slots(

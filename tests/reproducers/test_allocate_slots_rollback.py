@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from harness.invariants import assert_manager_ok, manager_snapshot
+from harness.kv_manager import computed_blocks, make_kv_cache_manager
 from harness.peer import PeerEngine
 
 BS = 16
@@ -66,12 +67,8 @@ def make_manager(layout: tuple[str, ...], num_blocks: int) -> KVCacheManager:
             for i, kind in enumerate(layout)
         ],
     )
-    return KVCacheManager(
-        config,
-        max_model_len=4096,
-        hash_block_size=BS,
-        max_num_batched_tokens=256,
-        enable_caching=True,
+    return make_kv_cache_manager(
+        config, max_model_len=4096, block_size=BS, max_tokens_per_step=256
     )
 
 
@@ -87,7 +84,7 @@ def schedule(manager: KVCacheManager, req: Request, num_tokens: int) -> bool:
     computed. False if allocate_slots refused."""
     hits, num_hit_tokens = None, 0
     if req.num_computed_tokens == 0:
-        hits, num_hit_tokens = manager.get_computed_blocks(req)
+        hits, num_hit_tokens = computed_blocks(manager, req)
         num_tokens = min(num_tokens, req.num_tokens - num_hit_tokens)
     blocks = manager.allocate_slots(
         req,
@@ -139,11 +136,11 @@ def test_refusal_gives_back_touched_prefix_hits(after_calls):
     assert schedule(manager, first, 160)
     manager.free(first)  # its blocks stay cached, evictable
     second = make_request("r1", list(range(160)) + list(range(500, 600)))
-    hits, num_hit_tokens = manager.get_computed_blocks(second)
+    hits, num_hit_tokens = computed_blocks(manager, second)
     assert num_hit_tokens > 0
     refuse_and_compare(manager, second, 100, after_calls)
     # The hits are free again, and still hit.
-    assert manager.get_computed_blocks(second)[1] == num_hit_tokens
+    assert computed_blocks(manager, second)[1] == num_hit_tokens
     assert all(b.ref_cnt == 0 for group in hits.blocks for b in group if not b.is_null)
 
 

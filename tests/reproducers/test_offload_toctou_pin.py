@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from harness.engine import ContentOracle, Engine, HarnessConfig
 from harness.invariants import assert_pool_ok
+from harness.kv_manager import computed_blocks
 from harness.offload_checks import cpu_block_of, new_request
 
 BS = 16
@@ -55,7 +56,7 @@ def test_cpu_hit_evicted_between_match_and_alloc_is_loaded():
     # The scheduler's first call for B (A's prompt): a two-block CPU hit.
     kvm = e.scheduler.kv_cache_manager
     b = new_request(e, PROMPT_A, req_id="b")
-    computed, num_local = kvm.get_computed_blocks(b)
+    computed, num_local = computed_blocks(kvm, b)
     hit, is_async = e.offload.get_num_new_matched_tokens(b, num_local)
     assert (num_local, hit, is_async) == (0, 2 * BS, True)
 

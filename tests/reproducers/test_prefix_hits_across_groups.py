@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -27,6 +26,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from harness.invariants import assert_manager_ok
+from harness.kv_manager import computed_blocks, make_kv_cache_manager
 
 BS = 16
 init_none_hash(sha256)
@@ -51,7 +51,7 @@ def test_external_tokens_do_not_take_another_groups_prefix_hit():
         sliding_window=2 * BS,
     )
     # 46 usable blocks: a blocker's 30 and the first request's 16 fill them.
-    manager = KVCacheManager(
+    manager = make_kv_cache_manager(
         KVCacheConfig(
             num_blocks=47,
             kv_cache_tensors=[],
@@ -61,9 +61,8 @@ def test_external_tokens_do_not_take_another_groups_prefix_hit():
             ],
         ),
         max_model_len=4096,
-        hash_block_size=BS,
-        max_num_batched_tokens=512,
-        enable_caching=True,
+        block_size=BS,
+        max_tokens_per_step=512,
     )
     blocker = make_request("blocker", list(range(9000, 9000 + 15 * BS)))
     assert manager.allocate_slots(blocker, 15 * BS) is not None
@@ -78,7 +77,7 @@ def test_external_tokens_do_not_take_another_groups_prefix_hit():
     manager.free(blocker)
 
     second = make_request("second", prompt + list(range(500, 500 + 4 * BS)))
-    hits, num_hit_tokens = manager.get_computed_blocks(second)
+    hits, num_hit_tokens = computed_blocks(manager, second)
     assert num_hit_tokens == 8 * BS
     swa_hit = hits.blocks[1][-1]
     # 8 hit blocks, then one block the connector loads, then new tokens.

@@ -1,0 +1,52 @@
+"""Build vLLM's KVCacheManager the way the running release spells it.
+
+Its constructor changed across releases: 0.19.0 has no batch-size kwarg,
+0.20.2-0.24.0 take `max_num_batched_tokens`, 0.30.0 renamed it
+`max_in_flight_tokens`; 0.24.0 added a required `scheduler_block_size` next
+to `hash_block_size`. Tests say what they mean once, here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.request import Request
+
+
+def make_kv_cache_manager(
+    config: KVCacheConfig,
+    *,
+    max_model_len: int,
+    block_size: int,
+    max_tokens_per_step: int,
+    enable_caching: bool = True,
+) -> KVCacheManager:
+    """A KVCacheManager that hashes and schedules in `block_size` blocks and
+    expects at most `max_tokens_per_step` new tokens per step (a bound the
+    manager uses to size what it reserves; a release without the kwarg
+    simply has no such bound, so it is left out there)."""
+    params = inspect.signature(KVCacheManager.__init__).parameters
+    kwargs: dict[str, object] = {
+        "max_model_len": max_model_len,
+        "hash_block_size": block_size,
+        "enable_caching": enable_caching,
+    }
+    if "scheduler_block_size" in params:
+        kwargs["scheduler_block_size"] = block_size
+    for name in ("max_num_batched_tokens", "max_in_flight_tokens"):
+        if name in params:
+            kwargs[name] = max_tokens_per_step
+    return KVCacheManager(config, **kwargs)  # type: ignore[arg-type]
+
+
+def computed_blocks(manager: KVCacheManager, request: Request) -> tuple[Any, int]:
+    """`get_computed_blocks`'s (blocks, number of hit tokens).
+
+    From 0.30.0 it also returns a shared-prefix boundary, which the scheduler
+    keeps on the request to pin a sparse group's junction block; the tests
+    here never set it, so what they see is a request without one (0)."""
+    blocks, num_tokens, *_ = manager.get_computed_blocks(request)
+    return blocks, num_tokens
