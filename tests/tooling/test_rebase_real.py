@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import rebase
-from common import DEFAULT_SERIES, OVERLAY, ForkError
+from common import DEFAULT_SERIES, OVERLAY
 from series import Series, read_base
 
 COMMITTED = DEFAULT_SERIES / "v0.33.0"
@@ -21,14 +21,6 @@ def files(d: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-# patches/ grew to 8 patches after patches/v0.33.0 was made from the 1-patch
-# series; 0002 (allocate_slots, 15 conflicts in 3 files) and the rest are not
-# ported yet. strict: once they are, this passes and the marker must go.
-@pytest.mark.xfail(
-    strict=True,
-    raises=ForkError,
-    reason="patches/v0.33.0 lags patches/: 0002.. not yet ported to 0.33.0",
-)
 def test_0_20_2_series_rebases_onto_0_33_0_as_committed(tmp_path):
     into = tmp_path / "v0.33.0"
     shutil.copytree(COMMITTED, into)  # its resolutions/ seed the replay
