@@ -139,7 +139,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "pinned_cpu_hits",
         "unfinished",
         "wall_seconds",
-        "step_seconds",
+        "scheduler_seconds",
     )
     for r in runs:
         for key in sums:
