@@ -640,6 +640,7 @@ def advance(state: State, first: int) -> State:
             new.version,
         )
         record(entry, outcome, state.verdicts)
+        drop_fixed_reproducers(state, entry)
         say(f"    [{i + 1}/{total}] {entry.name}: {entry.state} ({entry.detail})")
         if outcome.state == CONFLICT:
             state.stopped_at = i
@@ -658,6 +659,42 @@ def record(entry: Entry, outcome: Outcome, verdicts: dict) -> None:
     entry.files = outcome.files
     entry.conflict_ids = sorted(set(entry.conflict_ids) | set(outcome.conflict_ids))
     entry.port = outcome.port
+
+
+def drop_fixed_reproducers(state: State, entry: Entry) -> None:
+    """A kept patch's reproducers that pass on the bare new release no longer
+    show its bug there (upstream fixed that part): take their trailers out
+    of the patch's commit, so that the new series names only tests that fail
+    on its base."""
+    if entry.state not in (CLEAN, MERGED):
+        return
+    fixed = {t for t in entry.reproducers if state.verdicts.get(t, [""])[0] == "passes"}
+    if not fixed or fixed == set(entry.reproducers):
+        return
+    tree = state.tree_path
+    message = git(tree, "log", "-1", "--format=%B")
+    kept = [
+        line
+        for line in message.splitlines()
+        if not (
+            line.startswith("Reproducer:")
+            and line.removeprefix("Reproducer:").strip() in fixed
+        )
+    ]
+    committer = {
+        k: v for k, v in tool_identity_env().items() if k.startswith("GIT_COMMITTER")
+    }
+    run(
+        [
+            *("git", "-C", tree, "commit", "-q", "--amend", "--cleanup=whitespace"),
+            *("-m", "\n".join(kept) + "\n"),
+        ],
+        env=committer,
+    )
+    entry.detail += (
+        f"; {len(fixed)} of its reproducers pass on {state.new.version}: "
+        "dropped from its trailers"
+    )
 
 
 def conflict_stop(state: State, entry: Entry) -> ForkError:
@@ -741,6 +778,7 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
         state.save()
         return advance(state, state.patches.index(entry))
     record(entry, outcome, state.verdicts)
+    drop_fixed_reproducers(state, entry)
     say(
         f"    [{state.stopped_at + 1}/{len(state.patches)}] {entry.name}: {entry.state}"
     )

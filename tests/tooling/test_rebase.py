@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NEW_RELEASE, REPRODUCER, UPSTREAM_FILES, Upstream, git
+from conftest import LINES, NEW_RELEASE, REPRODUCER, UPSTREAM_FILES, Upstream, git
 
 import rebase
 from apply import apply_series
@@ -341,3 +341,28 @@ def test_an_interrupted_replay_resumes_without_losing_a_patch(
         "upstream",
         "merged",
     ]
+
+
+def test_a_kept_patch_names_only_reproducers_that_fail_on_the_new_release(
+    upstream, project
+):
+    # One patch, two reproducers: the new release fixes what the first one
+    # shows (popleft_n), not what the second shows (line 35).
+    (project / "tests/reproducers/test_line35.py").write_text(
+        "from pathlib import Path\n\nimport vllm\n\n\n"
+        "def test_line_35_is_spelled_out():\n"
+        "    pool = Path(vllm.__file__).parent / 'v1/core/block_pool.py'\n"
+        "    assert 'line thirty-five' in pool.read_text()\n"
+    )
+    still = "tests/reproducers/test_line35.py::test_line_35_is_spelled_out"
+    upstream.add_patch(
+        "vllm/v1/core/block_pool.py",
+        LINES.replace("line 35\n", "line thirty-five\n"),
+        f"Clean: change line 35\n\nReproducer: {REPRODUCER}\nReproducer: {still}",
+    )
+    state = start(upstream, project)
+    entry = state.patches[0]
+    assert entry.state == "clean"
+    assert "1 of its reproducers pass on 9.9.10" in entry.detail
+    kept = Series(upstream.tree.parent / "into").patches()
+    assert [p.reproducers() for p in kept] == [[still]]
