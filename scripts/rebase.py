@@ -93,6 +93,7 @@ RESOLUTIONS = "resolutions"
 # tree's copies of them.
 PORTS = "ports"
 PORT_META = "port.json"
+PORT_DIFF = "port.diff"
 TREE_PORTS = "vllm-fork-ports"
 REPORT = "REBASE.md"
 LOGS = WORK / "logs"
@@ -295,24 +296,23 @@ def seed_ports(tree: Path, source: Path) -> int:
 
 
 def save_port(tree: Path, patch: Path, before: str, rev: str = "") -> str:
-    """Record the resolution of `patch` (staged, or committed at `rev`)."""
+    """Record the resolution of `patch` (staged, or committed at `rev`) as
+    its diff from `before`."""
     key = port_key(tree, patch, before)
     dest = gitdir(tree) / TREE_PORTS / key
     shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
     against = [rev] if rev else ["--cached"]
-    changed = git(tree, "diff", "--name-only", before, *against)
-    files: dict[str, bool] = {}
-    for path in sorted(set(patch_paths(patch)) | set(changed.split())):
-        proc = subprocess.run(
-            ["git", "-C", str(tree), "show", f"{rev}:{path}"], capture_output=True
-        )
-        files[path] = proc.returncode == 0
-        if files[path]:
-            (dest / "files" / path).parent.mkdir(parents=True, exist_ok=True)
-            (dest / "files" / path).write_bytes(proc.stdout)
-    dest.mkdir(parents=True, exist_ok=True)
-    meta = {"patch": patch.name, "files": files}
-    (dest / PORT_META).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    changed = git(tree, "diff", "--name-only", before, *against).split()
+    paths = sorted(set(patch_paths(patch)) | set(changed))
+    diff = subprocess.run(
+        ["git", "-C", str(tree), "diff", "--binary", before, *against, "--", *paths],
+        capture_output=True,
+        check=True,
+    ).stdout
+    (dest / PORT_DIFF).write_bytes(diff)
+    meta = {"patch": patch.name, "paths": paths}
+    (dest / PORT_META).write_text(json.dumps(meta, indent=1) + "\n")
     return key
 
 
@@ -323,13 +323,22 @@ def apply_port(tree: Path, patch: Path, before: str) -> str:
     src = gitdir(tree) / TREE_PORTS / key
     if not (src / PORT_META).exists():
         return ""
-    for path, present in json.loads((src / PORT_META).read_text())["files"].items():
-        if present:
-            (tree / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / "files" / path, tree / path)
-            git(tree, "add", "--", path)
+    # The port is a diff from `before`: put its files back to that first.
+    for path in json.loads((src / PORT_META).read_text())["paths"]:
+        if git_ok(tree, "cat-file", "-e", f"{before}:{path}"):
+            git(tree, "checkout", before, "--", path)
         else:
-            git(tree, "rm", "-q", "--ignore-unmatch", "--", path)
+            git(tree, "rm", "-q", "-f", "--ignore-unmatch", "--", path)
+    if (src / PORT_DIFF).stat().st_size:
+        proc = run(
+            ["git", "-C", tree, "apply", "--index", str(src / PORT_DIFF)], check=False
+        )
+        if proc.returncode != 0:
+            raise ForkError(
+                f"the recorded port {src} of {patch.name} does not apply: "
+                f"{proc.stderr.strip()}\nDelete it and rebase again to resolve "
+                "the conflict by hand."
+            )
     return key
 
 
@@ -995,7 +1004,7 @@ def report(state: State, saved: list[str]) -> str:
         lines += [
             "",
             f"Conflict resolutions replayed by the next rebase ({RESOLUTIONS}/: "
-            f"git rerere's hunks, and whole ports in {PORTS}/): " + ", ".join(saved),
+            f"git rerere's hunks, and ports in {PORTS}/): " + ", ".join(saved),
         ]
     return "\n".join(lines) + "\n"
 
