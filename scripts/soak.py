@@ -14,7 +14,9 @@ tree, runs, steps, requests completed, preemptions, crashes (exception and
 where), invariant violations, content-tag mismatches, stores not ordered
 after compute, CPU blocks lost, blocks leaked, requests left unfinished,
 wall time and scheduler steps per second, and the series/base speed ratio
-where the base survives. Exits non-zero if the series crashes, violates an
+where the base survives. One worker process per tree; they take the seeds
+in turn, so each seed's speed ratio is measured under one machine load.
+Exits non-zero if the series crashes, violates an
 invariant or leaks. Same seed, same workloads: --seed N picks another,
 --vary a random one (printed, so a finding can be replayed).
 """
@@ -24,10 +26,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,55 +74,55 @@ def worker_env(tree: Path) -> dict[str, str]:
     return env
 
 
-def run_worker(
-    python: Path,
-    tree: Path,
-    workload: str,
-    seed: int,
-    runs: int,
-    scale: int,
-    timeout: float,
-    bar: Any,
-) -> list[dict[str, Any]]:
-    cmd = [
-        str(python),
-        "-m",
-        "harness.soak_worker",
-        "--workload",
-        workload,
-        "--seed",
-        str(seed),
-        "--runs",
-        str(runs),
-        "--scale",
-        str(scale),
-    ]
-    log = OUT / f"{workload}-{tree.name}.log"
-    result = OUT / f"{workload}-{tree.name}.json"
-    with open(log, "w") as err, open(result, "w") as out:
-        proc = subprocess.Popen(
-            cmd,
+class Worker:
+    """One `harness.soak_worker --serve` process on one tree: a run per call."""
+
+    def __init__(self, python: Path, tree: Path, name: str, seed: int):
+        self.name = name
+        # Set iteration order depends on the hash seed, and vLLM iterates
+        # sets of block hashes: without a fixed one a seed does not replay.
+        env = {**os.environ, **worker_env(tree), "PYTHONHASHSEED": str(seed % 2**32)}
+        self.log_path = OUT / f"worker-{name}.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [str(python), "-m", "harness.soak_worker", "--serve"],
             cwd=ROOT,
-            env={**os.environ, **worker_env(tree)},
-            stdout=out,
-            stderr=subprocess.PIPE,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
             text=True,
         )
-        killer = threading.Timer(timeout, proc.kill)
+
+    def run(
+        self, workload: str, seed: int, scale: int, timeout: float, timing: bool = False
+    ) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        killer = threading.Timer(timeout, self.proc.kill)
         killer.start()
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            err.write(line)
-            if line.startswith("progress "):
-                bar(line.split()[1])
-        proc.wait()
-        killer.cancel()
-    if proc.returncode != 0:
-        why = "timed out" if proc.returncode == -9 else f"exit {proc.returncode}"
-        raise ForkError(
-            f"soak worker {workload} on {tree.name} failed ({why}); see {rel(log)}"
-        )
-    return json.loads(result.read_text())
+        try:
+            flags = " timing" if timing else ""
+            self.proc.stdin.write(f"{workload} {seed} {scale}{flags}\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        finally:
+            killer.cancel()
+        if not line:
+            self.proc.wait()
+            why = "timed out" if self.proc.returncode == -9 else "exited"
+            raise ForkError(
+                f"soak worker on {self.name} {why} in {workload} seed {seed} "
+                f"(--timeout {timeout:g}); see {rel(self.log_path)}"
+            )
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait()
+        self.log.close()
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -210,19 +214,107 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def speed_ratios(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
-    """series/base scheduler steps per second, where the base survived: no
-    crash, violation, leak or stuck request in any run (a stuck base spins
-    through empty steps, which are cheap)."""
+def survived(run: dict[str, Any]) -> bool:
+    """No crash, violation, leak or stuck request (silent problems allowed)."""
+    return not run["crash"] and not any(
+        run.get(k) for k in PROBLEMS if k not in SILENT and k != "crashed"
+    )
+
+
+Timings = dict[str, dict[str, list[tuple[int, float]]]]
+
+
+def time_workloads(
+    start_workers: Callable[[], dict[str, Worker]],
+    workloads: list[str],
+    seed: int,
+    runs: int,
+    scale: int,
+    rounds: int,
+    timeout: float,
+    tick: Callable[[str, str], None],
+) -> Timings:
+    """Per workload, tree and seed: steps, and the least scheduler time over
+    `rounds` runs without the checks. As with timeit's repeats, a slower
+    round measures the machine, not the code. Each round has fresh worker
+    processes (a process's memory layout alone moves its speed by a few
+    percent), and the trees take each seed in turn, the first alternating."""
+    best = {
+        w: {name: [(0, float("inf"))] * runs for name in ("base", "series")}
+        for w in workloads
+    }
+    for k in range(rounds):
+        workers = start_workers()
+        try:
+            for workload in workloads:
+                for i in range(runs):
+                    names = list(workers)[:: 1 if (i + k) % 2 == 0 else -1]
+                    for name in names:
+                        r = workers[name].run(workload, seed + i, scale, timeout, True)
+                        if not r["crash"]:
+                            seconds = min(
+                                best[workload][name][i][1], r["scheduler_seconds"]
+                            )
+                            best[workload][name][i] = (r["steps"], seconds)
+                tick(workload, f"round {k + 1}/{rounds} done")
+        finally:
+            for w in workers.values():
+                w.close()
+    return best
+
+
+def speed_ratios(timings: Timings) -> dict[str, dict[str, Any]]:
+    """series/base scheduler steps per second: over all seeds, and the
+    median and quartiles of the per-seed ratios (their spread)."""
     out = {}
-    for workload, trees in results.items():
-        base, series = trees.get("base"), trees.get("series")
-        survived = base and not any(base.get(k) for k in PROBLEMS if k not in SILENT)
-        if survived and series and base["steps_per_second"]:
-            out[workload] = round(
-                series["steps_per_second"] / base["steps_per_second"], 3
-            )
+    for workload, trees in timings.items():
+        pairs = [
+            (b, s)
+            for b, s in zip(trees["base"], trees["series"], strict=True)
+            if b[0] and s[0] and b[1] < float("inf") and s[1] < float("inf")
+        ]
+        if not pairs:
+            continue
+        per_seed = sorted((s[0] / s[1]) / (b[0] / b[1]) for b, s in pairs)
+        q1, median, q3 = (
+            statistics.quantiles(per_seed, n=4) if len(per_seed) > 1 else per_seed * 3
+        )
+        base_rate = sum(b[0] for b, _ in pairs) / sum(b[1] for b, _ in pairs)
+        series_rate = sum(s[0] for _, s in pairs) / sum(s[1] for _, s in pairs)
+        out[workload] = {
+            "ratio": round(series_rate / base_rate, 3),
+            "median": round(median, 3),
+            "q1": round(q1, 3),
+            "q3": round(q3, 3),
+            "seeds": len(pairs),
+        }
     return out
+
+
+def speed_caveat(base: dict[str, Any]) -> str:
+    lost = base.get("lost_cpu_blocks")
+    if not lost:
+        return ""
+    return f"; not the same work: the base loses {lost} CPU blocks the series stores"
+
+
+SPEED_TARGET = 0.95  # the series within 5% of the base's steps per second
+
+
+def speed_verdict(
+    ratios: dict[str, dict[str, Any]], results: dict[str, dict[str, dict[str, Any]]]
+) -> str:
+    same_work = {
+        w: r["median"]
+        for w, r in ratios.items()
+        if not speed_caveat(results[w]["base"])
+    }
+    if not same_work:
+        return "No workload where the base does the same work to compare speed on."
+    slow = [f"{w} ({r})" for w, r in same_work.items() if r < SPEED_TARGET]
+    return f"Within 5% of the base (>= {SPEED_TARGET}) on the same work: " + (
+        "all of " + ", ".join(same_work) if not slow else "not on " + ", ".join(slow)
+    )
 
 
 def series_problems(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
@@ -275,7 +367,7 @@ def progress_bar(total: int):
         )
         if tty:
             sys.stderr.write("\r" + line.ljust(100))
-        elif inner in ("", "done"):  # a log gets one line per unit started/done
+        elif inner == "" or inner.endswith("done"):  # a log: a line per unit
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
@@ -307,10 +399,22 @@ def main() -> int:
         help="comma-separated workload names",
     )
     p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="time the base against itself in place of the series: the speed "
+        "ratio's noise on this machine",
+    )
+    p.add_argument(
+        "--timing-rounds",
+        type=int,
+        default=5,
+        help="timing runs per seed and tree for the speed ratio (default 5)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
-        default=300,
-        help="seconds one workload may take on one tree (default 300)",
+        default=120,
+        help="seconds one run may take (default 120)",
     )
     args = p.parse_args()
     seed = random.randrange(1_000_000) if args.vary else args.seed
@@ -338,29 +442,63 @@ def main() -> int:
     )
 
     start = time.monotonic()
-    results: dict[str, dict[str, dict[str, Any]]] = {}
-    state, show = progress_bar(len(workloads) * len(trees))
-    for workload in workloads:
-        for name, tree in trees.items():
-            label = f"{workload} on {name}"
-            show(label)
-            runs = run_worker(
-                python,
-                tree,
-                workload,
-                seed,
-                args.runs,
-                args.scale,
-                args.timeout,
-                lambda k, label=label: show(label, k),
-            )
-            results.setdefault(workload, {})[name] = aggregate(runs)
-            state["done"] += 1
-            show(label, "done")
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    state, show = progress_bar(len(workloads) * args.runs)
+
+    def start_workers(timing: bool = False) -> dict[str, Worker]:
+        # --calibrate: the base timed against itself, as if it were the series.
+        use = {**trees, "series": trees["base"]} if timing and args.calibrate else trees
+        return {name: Worker(python, tree, name, seed) for name, tree in use.items()}
+
+    workers = start_workers()
+    try:
+        for workload in workloads:
+            raw[workload] = {name: [] for name in trees}
+            show(workload)
+            for i in range(args.runs):
+                # Alternate which tree goes first, so neither always runs
+                # right after the other's garbage.
+                order = list(workers) if i % 2 == 0 else list(workers)[::-1]
+                for name in order:
+                    raw[workload][name].append(
+                        workers[name].run(workload, seed + i, args.scale, args.timeout)
+                    )
+                state["done"] += 1
+                show(workload, f"seed {seed + i}")
+            show(workload, "done")
+    finally:
+        for w in workers.values():
+            w.close()
     sys.stderr.write("\n")
+
+    # Speed is compared where the base survives every run (a stuck base
+    # spins through cheap empty steps).
+    timed = [w for w in workloads if all(survived(r) for r in raw[w]["base"])]
+    print(f"timing {', '.join(timed) or 'nothing'}", file=sys.stderr)
+    state, show = progress_bar(len(timed) * args.timing_rounds)
+
+    def tick(workload: str, inner: str) -> None:
+        state["done"] += 1
+        show(workload, inner)
+
+    timings = time_workloads(
+        lambda: start_workers(timing=True),
+        timed,
+        seed,
+        args.runs,
+        args.scale,
+        args.timing_rounds,
+        args.timeout,
+        tick,
+    )
+    sys.stderr.write("\n")
+    results = {
+        workload: {name: aggregate(runs) for name, runs in trees_runs.items()}
+        for workload, trees_runs in raw.items()
+    }
     ok_stateful, stateful_detail = stateful(python, trees["series"])
 
-    ratios = speed_ratios(results)
+    ratios = speed_ratios(timings)
     problems = series_problems(results)
     if not ok_stateful:
         problems.append(f"hypothesis state machines: {stateful_detail}")
@@ -371,9 +509,17 @@ def main() -> int:
         "",
         table(results),
         "",
-        "Scheduler speed, series/base steps per second (where the base "
-        "survives every run): "
-        + (", ".join(f"{w} {r}" for w, r in ratios.items()) or "none"),
+        ("CALIBRATION, the base timed against itself: " if args.calibrate else "")
+        + f"Scheduler speed where the base survives every run: series/base "
+        f"steps per second, best of {args.timing_rounds} runs per seed and "
+        f"tree without the checks; the median of the per-seed ratios "
+        f"(quartiles; over all seeds together):",
+        *(
+            f"- {w}: {r['median']} ({r['q1']}-{r['q3']}; all seeds {r['ratio']})"
+            + speed_caveat(results[w]["base"])
+            for w, r in ratios.items()
+        ),
+        speed_verdict(ratios, results),
         "",
         f"Hypothesis state machines (soak budget) on the series: {stateful_detail}",
     ]

@@ -1,20 +1,27 @@
 """Run one soak workload against whichever vLLM tree is on PYTHONPATH.
 
     python -m harness.soak_worker --workload NAME --seed N [--runs R] [--scale K]
+    python -m harness.soak_worker --serve
 
 Runs seeds N .. N+R-1 in one process (vLLM's import costs more than a run)
-and prints a JSON list, one object per run: what happened (steps, requests completed and
-aborted, preemptions), what went wrong (a crash with its exception type and
-where in vLLM it was raised, invariant violations found after any step,
-content-tag mismatches, stores not ordered after compute, CPU blocks lost,
-blocks leaked at the end, requests that never finished) and how fast the
-scheduler stepped. Progress goes to stderr. scripts/soak.py runs it on the
-base and the series and prints the table.
+and prints a JSON list, one object per run: what happened (steps, requests
+completed and aborted, preemptions), what went wrong (a crash with its
+exception type and where in vLLM it was raised, invariant violations found
+after any step, content-tag mismatches, stores not ordered after compute,
+CPU blocks lost, blocks leaked at the end, requests that never finished) and
+how long the scheduler took. Progress goes to stderr.
+
+--serve reads one run per line on stdin (`WORKLOAD SEED SCALE`, and
+`timing` to skip the checks) and answers each with one JSON line.
+scripts/soak.py keeps one such process per tree and alternates them run by
+run, so the base and the series are timed side by side under the same
+machine load.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -47,8 +54,9 @@ def where(exc: BaseException) -> str:
 
 
 class Run:
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, checks: bool = True):
         self.plan = plan
+        self.checks = checks
         self.e = Engine(plan.cfg)
         self.peer = PeerEngine(self.e.block_pool) if plan.peer_strikes else None
         self.violation_steps = 0
@@ -97,7 +105,8 @@ class Run:
 
     def step(self) -> None:
         self.e.step()
-        self.check()
+        if self.checks:
+            self.check()
 
     def go(self) -> dict[str, Any]:
         arrivals = sorted(self.plan.arrivals, key=lambda a: a.step)
@@ -144,17 +153,23 @@ class Run:
             out["unordered_stores"] = sum(
                 1 for p in unordered_transfers(e) if p.startswith("store")
             )
-            if self.plan.check_cpu_content:
+            if self.plan.check_cpu_content and self.checks:
                 finished = sorted(e.stats.finished - e.stats.aborted)
                 out["lost_cpu_blocks"] = len(lost_or_wrong_cpu_blocks(e, finished))
         return out
 
 
-def run(name: str, seed: int, scale: int) -> dict[str, Any]:
+def run(name: str, seed: int, scale: int, checks: bool = True) -> dict[str, Any]:
+    """One seed of a workload; checks=False skips the invariant checks, for
+    timing runs."""
     plan = WORKLOADS[name].make(random.Random(f"{name}/{seed}"), scale)
     result: dict[str, Any] = {"workload": name, "seed": seed, "crash": None}
     start = time.perf_counter()
-    r = Run(plan)
+    r = Run(plan, checks)
+    # As timeit does: a collection the harness's garbage triggers would
+    # otherwise land in whichever scheduler call happens to be running.
+    gc.collect()
+    gc.disable()
     try:
         result.update(r.go())
     except Exception as exc:  # a crash is a result, reported with its place
@@ -165,6 +180,8 @@ def run(name: str, seed: int, scale: int) -> dict[str, Any]:
         }
         result["completed"] = len(r.e.stats.finished - r.e.stats.aborted)
         result["requests"] = len(plan.arrivals)
+    finally:
+        gc.enable()
     result.update(
         {
             "steps": r.e.stats.steps,
@@ -178,15 +195,33 @@ def run(name: str, seed: int, scale: int) -> dict[str, Any]:
     return result
 
 
+def serve() -> None:
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        name, seed, scale, *flags = line.split()
+        result = run(name, int(seed), int(scale), checks="timing" not in flags)
+        print(json.dumps(result), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    p.add_argument("--workload", choices=sorted(WORKLOADS))
     p.add_argument("--seed", type=int, default=0, help="first seed")
     p.add_argument("--runs", type=int, default=1, help="seeds to run")
     p.add_argument("--scale", type=int, default=1, help="more requests per run")
+    p.add_argument(
+        "--serve", action="store_true", help="take runs from stdin, one per line"
+    )
     args = p.parse_args()
+    if args.serve:
+        gc.freeze()  # what is imported by now stays: each run's collect skips it
+        serve()
+        return
+    if args.workload is None:
+        p.error("--workload is required (or --serve)")
     results = []
     for i in range(args.runs):
         results.append(run(args.workload, args.seed + i, args.scale))
