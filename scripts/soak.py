@@ -516,7 +516,7 @@ def main() -> int:
         f"(quartiles; over all seeds together):",
         *(
             f"- {w}: {r['median']} ({r['q1']}-{r['q3']}; all seeds {r['ratio']})"
-            + speed_caveat(results[w]["base"])
+            + ("" if args.calibrate else speed_caveat(results[w]["base"]))
             for w, r in ratios.items()
         ),
         speed_verdict(ratios, results),
