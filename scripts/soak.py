@@ -237,8 +237,8 @@ def time_workloads(
     """Per workload, tree and seed: steps, and the least scheduler time over
     `rounds` runs without the checks. As with timeit's repeats, a slower
     round measures the machine, not the code. Each round has fresh worker
-    processes (a process's memory layout alone moves its speed by a few
-    percent), and the trees take each seed in turn, the first alternating."""
+    processes, so no one process's luck (its memory layout) decides every
+    round; the trees take each seed in turn, the first alternating."""
     best = {
         w: {name: [(0, float("inf"))] * runs for name in ("base", "series")}
         for w in workloads
@@ -312,7 +312,7 @@ def speed_verdict(
     if not same_work:
         return "No workload where the base does the same work to compare speed on."
     slow = [f"{w} ({r})" for w, r in same_work.items() if r < SPEED_TARGET]
-    return f"Within 5% of the base (>= {SPEED_TARGET}) on the same work: " + (
+    return f"Median within 5% of the base (>= {SPEED_TARGET}) on the same work: " + (
         "all of " + ", ".join(same_work) if not slow else "not on " + ", ".join(slow)
     )
 

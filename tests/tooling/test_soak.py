@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from soak import speed_caveat, speed_ratios, survived
+from soak import speed_caveat, speed_ratios, speed_verdict, survived
 
 INF = float("inf")
 
@@ -54,3 +54,21 @@ def test_survived_allows_silent_problems_only():
 def test_a_base_that_loses_blocks_is_flagged_as_other_work():
     assert speed_caveat({"lost_cpu_blocks": 0}) == ""
     assert "loses 7 CPU blocks" in speed_caveat({"lost_cpu_blocks": 7})
+
+
+def test_verdict_holds_only_same_work_workloads_to_the_target():
+    results = {
+        "fast": {"base": {}},
+        "slow": {"base": {}},
+        "other work": {"base": {"lost_cpu_blocks": 9}},
+    }
+    ratios = {
+        "fast": {"median": 0.97},
+        "slow": {"median": 0.9},
+        "other work": {"median": 0.5},
+    }
+    verdict = speed_verdict(ratios, results)
+    assert "not on slow (0.9)" in verdict
+    assert "other work" not in verdict
+    del ratios["slow"]
+    assert speed_verdict(ratios, results).endswith("all of fast")
