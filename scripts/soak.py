@@ -317,6 +317,28 @@ def speed_verdict(
     )
 
 
+def speed_lines(
+    args: Any,
+    ratios: dict[str, dict[str, Any]],
+    results: dict[str, dict[str, dict[str, Any]]],
+) -> list[str]:
+    if not args.timing_rounds:
+        return ["Speed not timed (--timing-rounds 0)."]
+    return [
+        ("CALIBRATION, the base timed against itself: " if args.calibrate else "")
+        + f"Scheduler speed where the base survives every run: series/base "
+        f"steps per second, best of {args.timing_rounds} runs per seed and "
+        f"tree without the checks; the median of the per-seed ratios "
+        f"(quartiles; over all seeds together):",
+        *(
+            f"- {w}: {r['median']} ({r['q1']}-{r['q3']}; all seeds {r['ratio']})"
+            + ("" if args.calibrate else speed_caveat(results[w]["base"]))
+            for w, r in ratios.items()
+        ),
+        speed_verdict(ratios, results),
+    ]
+
+
 def series_problems(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     out = []
     for workload, trees in results.items():
@@ -509,17 +531,7 @@ def main() -> int:
         "",
         table(results),
         "",
-        ("CALIBRATION, the base timed against itself: " if args.calibrate else "")
-        + f"Scheduler speed where the base survives every run: series/base "
-        f"steps per second, best of {args.timing_rounds} runs per seed and "
-        f"tree without the checks; the median of the per-seed ratios "
-        f"(quartiles; over all seeds together):",
-        *(
-            f"- {w}: {r['median']} ({r['q1']}-{r['q3']}; all seeds {r['ratio']})"
-            + ("" if args.calibrate else speed_caveat(results[w]["base"]))
-            for w, r in ratios.items()
-        ),
-        speed_verdict(ratios, results),
+        *speed_lines(args, ratios, results),
         "",
         f"Hypothesis state machines (soak budget) on the series: {stateful_detail}",
     ]
