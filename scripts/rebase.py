@@ -89,8 +89,8 @@ CLEAN, MERGED, UPSTREAM, CONFLICT, PENDING = (
 OLD_SERIES_REF = "refs/vllm-fork/old-series"
 SNAPSHOT = "vllm-fork-rebase"  # in the tree's .git: the patches being replayed
 RESOLUTIONS = "resolutions"
-# Whole-file resolutions ("ports"), in RESOLUTIONS/ports/<key>/, and the
-# tree's copies of them.
+# Hand resolutions kept as diffs ("ports"), in RESOLUTIONS/ports/<key>/, and
+# the tree's copies of them.
 PORTS = "ports"
 PORT_META = "port.json"
 PORT_DIFF = "port.diff"
@@ -266,12 +266,12 @@ def save_resolutions(tree: Path, ids: list[str], dest: Path) -> list[str]:
     return saved
 
 
-# --- ports: whole-file resolutions -------------------------------------------
+# --- ports: hand resolutions as diffs -----------------------------------------
 # rerere replays the resolution of each conflicted hunk, not the edits made
 # around them. A port (a patch rewritten for the new release) changes more
-# than the hunks, so each hand resolution is also kept whole: the files the
-# patch touches as resolved, keyed on the patch and on those files before
-# it. A changed patch or base gets a new key: rerere's hunks, then the user.
+# than the hunks, so each hand resolution is also kept as its diff from the
+# files before it, keyed on the patch and on those files. A changed patch or
+# base gets a new key: rerere's hunks, then the user.
 
 
 def port_key(tree: Path, patch: Path, before: str) -> str:

@@ -16,9 +16,9 @@ after compute, CPU blocks lost, blocks leaked, requests left unfinished,
 wall time and scheduler steps per second, and the series/base speed ratio
 where the base survives. One worker process per tree; they take the seeds
 in turn, so each seed's speed ratio is measured under one machine load.
-Exits non-zero if the series crashes, violates an
-invariant or leaks. Same seed, same workloads: --seed N picks another,
---vary a random one (printed, so a finding can be replayed).
+Exits non-zero if the series crashes, violates an invariant or leaks. Same
+seed, same workloads: --seed N picks another, --vary a random one (printed,
+so a finding can be replayed).
 """
 
 from __future__ import annotations
@@ -250,7 +250,9 @@ def time_workloads(
                 for i in range(runs):
                     names = list(workers)[:: 1 if (i + k) % 2 == 0 else -1]
                     for name in names:
-                        r = workers[name].run(workload, seed + i, scale, timeout, True)
+                        r = workers[name].run(
+                            workload, seed + i, scale, timeout, timing=True
+                        )
                         if not r["crash"]:
                             seconds = min(
                                 best[workload][name][i][1], r["scheduler_seconds"]
@@ -291,11 +293,18 @@ def speed_ratios(timings: Timings) -> dict[str, dict[str, Any]]:
     return out
 
 
+def same_work(base: dict[str, Any]) -> bool:
+    """A base that loses CPU blocks skips the stores the series makes."""
+    return not base.get("lost_cpu_blocks")
+
+
 def speed_caveat(base: dict[str, Any]) -> str:
-    lost = base.get("lost_cpu_blocks")
-    if not lost:
+    if same_work(base):
         return ""
-    return f"; not the same work: the base loses {lost} CPU blocks the series stores"
+    return (
+        f"; not the same work: the base loses {base['lost_cpu_blocks']} CPU "
+        "blocks the series stores"
+    )
 
 
 SPEED_TARGET = 0.95  # the series within 5% of the base's steps per second
@@ -304,16 +313,14 @@ SPEED_TARGET = 0.95  # the series within 5% of the base's steps per second
 def speed_verdict(
     ratios: dict[str, dict[str, Any]], results: dict[str, dict[str, dict[str, Any]]]
 ) -> str:
-    same_work = {
-        w: r["median"]
-        for w, r in ratios.items()
-        if not speed_caveat(results[w]["base"])
+    comparable = {
+        w: r["median"] for w, r in ratios.items() if same_work(results[w]["base"])
     }
-    if not same_work:
+    if not comparable:
         return "No workload where the base does the same work to compare speed on."
-    slow = [f"{w} ({r})" for w, r in same_work.items() if r < SPEED_TARGET]
+    slow = [f"{w} ({r})" for w, r in comparable.items() if r < SPEED_TARGET]
     return f"Median within 5% of the base (>= {SPEED_TARGET}) on the same work: " + (
-        "all of " + ", ".join(same_work) if not slow else "not on " + ", ".join(slow)
+        "all of " + ", ".join(comparable) if not slow else "not on " + ", ".join(slow)
     )
 
 

@@ -9,7 +9,9 @@ completed and aborted, preemptions), what went wrong (a crash with its
 exception type and where in vLLM it was raised, invariant violations found
 after any step, content-tag mismatches, stores not ordered after compute,
 CPU blocks lost, blocks leaked at the end, requests that never finished) and
-how long the scheduler took. Progress goes to stderr.
+how long the scheduler took. Progress goes to stderr. To replay a run of
+`make soak`, set PYTHONHASHSEED to the soak's seed, as it does: vLLM
+iterates sets of block hashes, whose order follows the hash seed.
 
 --serve reads one run per line on stdin (`WORKLOAD SEED SCALE`, and
 `timing` to skip the checks) and answers each with one JSON line.
