@@ -87,6 +87,7 @@ class HarnessConfig:
     lazy: bool = False
     max_num_batched_tokens: int = 128
     max_num_seqs: int = 16
+    prefix_caching: bool = True
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     # Steps after launch at which a transfer completes (0: in the same step).
@@ -124,7 +125,7 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
         ),
         cache_config=CacheConfig(
             block_size=cfg.block_size,
-            enable_prefix_caching=True,
+            enable_prefix_caching=cfg.prefix_caching,
             gpu_memory_utilization=0.9,
         ),
         kv_transfer_config=kv_transfer,
@@ -382,8 +383,15 @@ class Engine:
 
     # --- requests ---------------------------------------------------------
     def add_request(
-        self, prompt: list[int], max_tokens: int = 1, req_id: str | None = None
+        self,
+        prompt: list[int],
+        max_tokens: int = 1,
+        req_id: str | None = None,
+        resumable: bool = False,
     ) -> str:
+        """Add a request. `resumable` makes a streaming-input session: it
+        waits for its next chunk, keeping its KV, when it stops; a later call
+        with the same `req_id` sends that chunk, as the engine does."""
         req_id = req_id or f"r{next(self._ids)}"
         req = Request(
             request_id=req_id,
@@ -391,8 +399,11 @@ class Engine:
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             pooling_params=None,
             block_hasher=self.block_hasher,
+            # Passed only when set: releases before streaming input lack it.
+            **({"resumable": True} if resumable else {}),
         )
-        self.requests[req_id] = req
+        # A session's next chunk updates the request already there.
+        self.requests.setdefault(req_id, req)
         self.scheduler.add_request(req)
         return req_id
 

@@ -12,6 +12,8 @@ waiting (vllm-project/vllm#45388). Found by the soak (make soak).
 from __future__ import annotations
 
 import pytest
+from vllm import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok, assert_pool_ok
@@ -53,3 +55,62 @@ def test_two_async_loads_that_fit_alone_but_not_together_finish():
         label="CPU pool",
         hashed_means_cached=False,
     )
+
+
+# A streaming-input session keeps its KV while it waits for its next chunk,
+# with no connector at all. Nothing about async loads may touch it.
+SESSION_1 = [100 + t for t in range(3 * BS)]
+SESSION_2 = [200 + t for t in range(3 * BS)]
+NEXT_CHUNK = [1, 2, 3, 4]
+
+
+def test_idle_streaming_session_keeps_its_kv_with_no_connector():
+    """Two idle sessions hold 6 of 9 usable blocks and a 64-token request
+    that needs 4 waits, with nothing running. The unpatched release keeps
+    waiting: the sessions keep their KV and their history. A release of
+    waiting requests' blocks (an earlier form of 0008) freed the second
+    session and zeroed its computed tokens, so its next chunk replaced the
+    conversation instead of extending it."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS, num_gpu_blocks=10, offload=False, prefix_caching=False
+        )
+    )
+    s1 = e.add_request(SESSION_1, max_tokens=1, resumable=True)
+    s2 = e.add_request(SESSION_2, max_tokens=1, resumable=True)
+    e.step()
+    session = e.requests[s2]
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    held = e.scheduler.kv_cache_manager.get_block_ids(s2)
+    assert [len(ids) for ids in held] == [3]
+
+    h = e.add_request([300 + t for t in range(4 * BS)], max_tokens=1)
+    for _ in range(5):
+        e.step()
+    assert e.requests[h].num_computed_tokens == 0, "4 blocks cannot be free yet"
+    assert e.scheduler.kv_cache_manager.get_block_ids(s2) == held
+    assert session.num_computed_tokens == len(SESSION_2)
+
+    e.add_request(NEXT_CHUNK, max_tokens=1, req_id=s2, resumable=True)
+    assert list(session.all_token_ids) == SESSION_2 + NEXT_CHUNK
+    assert session.num_computed_tokens == len(SESSION_2)
+    # The chunk runs on the session's KV: every block it attends to is read
+    # and checked by value.
+    e.step()
+    assert session.num_computed_tokens == len(SESSION_2) + len(NEXT_CHUNK)
+    assert e.runner.violations == [], e.runner.violations[0]
+
+    # End both sessions (a request that is not resumable ends one): H runs.
+    for sid in (s1, s2):
+        e.scheduler.add_request(
+            Request(
+                request_id=sid,
+                prompt_token_ids=[0],
+                sampling_params=SamplingParams(max_tokens=1),
+                pooling_params=None,
+            )
+        )
+    e.run(max_steps=50)
+    assert h in e.stats.finished
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
