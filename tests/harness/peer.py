@@ -4,16 +4,24 @@ vLLM counts free blocks, then allocates them. With a pool shared by several
 engines another engine can take blocks in between. PeerEngine stands in for
 that engine: it wraps the pool's get_new_blocks and, when armed, takes
 blocks just before one of the next calls, so that call is short.
+
+With `raises`, a strike raises that error from the call instead, as
+kvcached's own pool does when another engine took the physical pages
+behind its free count (`kvcached.utils.KVCachePoolExhausted`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
 class PeerEngine:
-    def __init__(self, pool: Any) -> None:
+    def __init__(
+        self, pool: Any, raises: Callable[[str], Exception] | None = None
+    ) -> None:
         self.pool = pool
+        self.raises = raises
         self._get_new_blocks = pool.get_new_blocks
         self.held: list[Any] = []
         self.calls = 0
@@ -39,6 +47,11 @@ class PeerEngine:
             if num_blocks == 0:
                 # Nothing to make short: strike at the next call instead.
                 self._strike_at += 1
+            elif self.raises is not None:
+                self._strike_at = None
+                self.strikes.append((self.calls, num_blocks))
+                self.calls += 1
+                raise self.raises(f"the peer took the pages for {num_blocks} blocks")
             else:
                 self._strike_at = None
                 # Leave one block fewer than this call asks for.

@@ -10,7 +10,10 @@ gives back everything the call took, across all groups, and returns None.
 
 from __future__ import annotations
 
+import importlib
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -48,6 +52,9 @@ SPECS = {
         dtype=torch.float32,
         sliding_window=2 * BS,
     ),
+    "cross": lambda: CrossAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32
+    ),
     "mamba_align": lambda: MambaSpec(
         block_size=BS,
         shapes=((1, 1),),
@@ -59,6 +66,8 @@ LAYOUTS = [("full",), ("full", "swa"), ("swa", "full"), ("full", "mamba_align")]
 
 
 def make_manager(layout: tuple[str, ...], num_blocks: int) -> KVCacheManager:
+    """Encoder-decoder layouts (a cross-attention group) run without prefix
+    caching, as vLLM runs them."""
     config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -68,7 +77,11 @@ def make_manager(layout: tuple[str, ...], num_blocks: int) -> KVCacheManager:
         ],
     )
     return make_kv_cache_manager(
-        config, max_model_len=4096, block_size=BS, max_tokens_per_step=256
+        config,
+        max_model_len=4096,
+        block_size=BS,
+        max_tokens_per_step=256,
+        enable_caching="cross" not in layout,
     )
 
 
@@ -83,7 +96,7 @@ def schedule(manager: KVCacheManager, req: Request, num_tokens: int) -> bool:
     the prefix hits of a request that holds nothing yet) and count them as
     computed. False if allocate_slots refused."""
     hits, num_hit_tokens = None, 0
-    if req.num_computed_tokens == 0:
+    if req.num_computed_tokens == 0 and manager.enable_caching:
         hits, num_hit_tokens = computed_blocks(manager, req)
         num_tokens = min(num_tokens, req.num_tokens - num_hit_tokens)
     blocks = manager.allocate_slots(
@@ -163,23 +176,25 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
-def test_a_lying_count_is_a_refusal_logged_once_per_event():
-    # The free queue counts 6 blocks more than it links, as after seed 000's
-    # double free: every retry is refused, but logged once, with the numbers.
+def test_refusals_are_logged_once_per_event():
+    # A request retried every step with the same numbers logs one warning,
+    # with the per-group numbers; another request's refusal logs again.
     manager = make_manager(("full", "swa"), num_blocks=24)
-    queue = manager.block_pool.free_block_queue
-    real_free = queue.num_free_blocks
-    queue.num_free_blocks += 6
+    peer = PeerEngine(manager.block_pool)
     log = logging.getLogger("vllm.v1.core.kv_cache_manager")
     records, level = Records(), log.level
     log.addHandler(records)
     log.setLevel(logging.DEBUG)
     try:
-        req = make_request("r0", list(range(16 * (real_free // 2 + 2))))
+        req = make_request("r0", list(range(16 * 6)))
         for _ in range(5):
+            peer.arm(1)
             assert not schedule(manager, req, req.num_tokens)
-        other = make_request("r1", list(range(500, 500 + 16 * (real_free // 2 + 2))))
+            peer.release()
+        other = make_request("r1", list(range(500, 500 + 16 * 6)))
+        peer.arm(1)
         assert not schedule(manager, other, other.num_tokens)
+        peer.release()
     finally:
         log.removeHandler(records)
         log.setLevel(level)
@@ -188,7 +203,29 @@ def test_a_lying_count_is_a_refusal_logged_once_per_event():
     assert len(warnings) == 2, warnings
     assert "request r0 needs" in warnings[0] and "group 1:" in warnings[0]
     assert "request r1 needs" in warnings[1]
-    assert_manager_ok_but_count(manager, extra=6)
+    assert_manager_ok(manager, all_done=True)
+
+
+def test_a_lying_count_is_corruption_not_a_refusal():
+    # The free queue counts 6 blocks more than it links, as after seed 000's
+    # double free. That is no shortage to wait out (the request would wait
+    # forever): allocate_slots raises KVCacheCorruptionError, not a
+    # ValueError, naming the group that found it and both counts.
+    manager = make_manager(("full", "swa"), num_blocks=24)
+    queue = manager.block_pool.free_block_queue
+    real_free = queue.num_free_blocks
+    queue.num_free_blocks += 6
+    req = make_request("r0", list(range(16 * (real_free // 2 + 2))))
+    with pytest.raises(Exception) as info:
+        schedule(manager, req, req.num_tokens)
+    err = info.value
+    assert type(err).__name__ == "KVCacheCorruptionError", repr(err)
+    assert not isinstance(err, ValueError)
+    assert str(err).startswith("KV cache group 1: ")
+    counts = re.search(r"counts (\d+) free blocks but links only (\d+)", str(err))
+    assert counts, str(err)
+    assert int(counts[1]) - int(counts[2]) == 6
+    assert manager.num_refusals == 0
 
 
 def assert_manager_ok_but_count(manager: KVCacheManager, extra: int) -> None:
@@ -237,4 +274,111 @@ def test_random_refusals_leave_the_manager_unchanged(layout, data):
         assert_manager_ok(manager)
     for req in live:
         manager.free(req)
+    assert_manager_ok(manager, all_done=True)
+
+
+# Every argument of allocate_slots that makes it take blocks, alone: a
+# fresh request (nothing held, no prefix hits) in each layout, refused at
+# each get_new_blocks call it makes. The manager, new_block_ids (the ids
+# the worker zeroes) included, must be exactly as before.
+ARGUMENTS = {
+    "tokens": dict(num_new_tokens=40),
+    "external": dict(
+        num_new_tokens=0, num_external_computed_tokens=64, delay_cache_blocks=True
+    ),
+    "external+tokens": dict(
+        num_new_tokens=24, num_external_computed_tokens=64, delay_cache_blocks=True
+    ),
+    "lookahead": dict(num_new_tokens=40, num_lookahead_tokens=24),
+    "encoder": dict(num_new_tokens=40, num_encoder_tokens=48),
+}
+ARGUMENT_LAYOUTS = [*LAYOUTS, ("full", "cross"), ("cross", "swa")]
+
+
+def allocate_fresh(manager: KVCacheManager, req: Request, args: dict) -> bool:
+    return manager.allocate_slots(req, **args) is not None
+
+
+# Encoder tokens go with a cross-attention group, and only they do.
+ARGUMENT_CASES = [
+    pytest.param(layout, args, id=f"{'+'.join(layout)}-{name}")
+    for layout in ARGUMENT_LAYOUTS
+    for name, args in ARGUMENTS.items()
+    if ("cross" in layout) == ("num_encoder_tokens" in args)
+]
+
+
+@pytest.mark.parametrize(("layout", "args"), ARGUMENT_CASES)
+def test_refusal_of_every_argument_leaves_nothing_behind(layout, args):
+    # How many get_new_blocks calls the allocation makes when it succeeds.
+    probe = make_manager(layout, num_blocks=64)
+    counter = PeerEngine(probe.block_pool)
+    assert allocate_fresh(probe, make_request("r0", list(range(96))), args)
+    num_calls = counter.calls
+    assert num_calls >= 1
+    for after_calls in range(num_calls):
+        manager = make_manager(layout, num_blocks=64)
+        # Earlier requests' ids recorded this step must survive the refusal.
+        assert schedule(manager, make_request("r1", list(range(500, 548))), 48)
+        peer = PeerEngine(manager.block_pool)
+        before = manager_snapshot(manager)
+        req = make_request("r0", list(range(96)))
+        peer.arm(after_calls)
+        assert not allocate_fresh(manager, req, args), f"call {after_calls}"
+        assert peer.strikes
+        peer.release()
+        assert manager_snapshot(manager) == before, f"refused at call {after_calls}"
+        assert_manager_ok(manager)
+        # Nothing was lost: the same allocation succeeds next.
+        assert allocate_fresh(manager, req, args)
+
+
+KVCACHED_LAYOUT = Path(__file__).parent.parent / "harness" / "kvcached_layout"
+
+
+@pytest.fixture
+def kvcached_utils(monkeypatch):
+    """`kvcached.utils` as laid out in kvcached (a stand-in: kvcached builds
+    CUDA code and cannot be installed here, see harness/kvcached_layout)."""
+    monkeypatch.syspath_prepend(str(KVCACHED_LAYOUT))
+    return importlib.import_module("kvcached.utils")
+
+
+@pytest.mark.parametrize("after_calls", [0, 1], ids=["first-group", "second-group"])
+def test_kvcached_pool_exhausted_is_a_refusal(kvcached_utils, after_calls):
+    """kvcached's pool raises KVCachePoolExhausted (a ValueError) when a
+    colocated engine took the pages its count promised. It is a shortage:
+    allocate_slots gives back what every group took and returns None, so
+    kvcached's own wrapper (None for that error, nothing given back) finds
+    nothing left to leak."""
+    manager = make_manager(("full", "swa"), num_blocks=40)
+    peer = PeerEngine(manager.block_pool, raises=kvcached_utils.KVCachePoolExhausted)
+    before = manager_snapshot(manager)
+    req = make_request("r0", list(range(160)))
+    peer.arm(after_calls)
+    assert not schedule(manager, req, 160)
+    assert peer.strikes
+    assert manager_snapshot(manager) == before
+    assert isinstance(manager.last_shortfall.refusal, kvcached_utils.KVCachePoolExhausted)
+    assert manager.num_refusals == 1
+    assert schedule(manager, req, 160)
+
+
+def test_a_plain_value_error_from_the_pool_still_raises(kvcached_utils):
+    """Any other ValueError from the pool is a broken contract, not a
+    shortage (kvcached insists on that too): it must not become a None that
+    the scheduler waits on. A subclass of kvcached's error is a shortage."""
+    manager = make_manager(("full", "swa"), num_blocks=40)
+    peer = PeerEngine(manager.block_pool, raises=ValueError)
+    peer.arm(1)
+    with pytest.raises(ValueError, match="the peer took"):
+        schedule(manager, make_request("r0", list(range(160))), 160)
+
+    class Narrower(kvcached_utils.KVCachePoolExhausted):
+        pass
+
+    manager = make_manager(("full", "swa"), num_blocks=40)
+    peer = PeerEngine(manager.block_pool, raises=Narrower)
+    peer.arm(1)
+    assert not schedule(manager, make_request("r0", list(range(160))), 160)
     assert_manager_ok(manager, all_done=True)

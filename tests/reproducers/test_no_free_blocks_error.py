@@ -3,6 +3,10 @@
 On the unpatched base, FreeKVCacheBlockQueue.popleft_n asserts (seed 000's
 EngineCore crash) and, when the queue's count is larger than its list, it
 unlinks blocks (and the fake tail) before the assertion fires.
+
+Two errors, two meanings: NoFreeBlocksError (a ValueError) is a shortage,
+which the scheduler waits out; KVCacheCorruptionError (not a ValueError) is
+a queue that counts more blocks than it links, which no wait can mend.
 """
 
 from __future__ import annotations
@@ -30,6 +34,17 @@ def expect_no_free_blocks(fn, requested: int) -> None:
     assert err.num_free < requested
 
 
+def expect_corruption(fn, counted: int, linked: int) -> None:
+    """`fn()` must raise KVCacheCorruptionError, which is not a ValueError
+    (nothing may take it for a shortage and retry), naming both counts."""
+    with pytest.raises(Exception) as info:
+        fn()
+    err = info.value
+    assert type(err).__name__ == "KVCacheCorruptionError", repr(err)
+    assert not isinstance(err, ValueError)
+    assert f"counts {counted} free blocks but links only {linked}" in str(err)
+
+
 def make_queue(n: int) -> tuple[FreeKVCacheBlockQueue, list[KVCacheBlock]]:
     blocks = [KVCacheBlock(i) for i in range(n)]
     return FreeKVCacheBlockQueue(blocks), blocks
@@ -49,8 +64,11 @@ def test_pop_from_miscounted_queue_changes_nothing():
     queue, _ = make_queue(3)
     queue.num_free_blocks += 2
     before = queue_snapshot(queue)
-    expect_no_free_blocks(lambda: queue.popleft_n(4), 4)
+    expect_corruption(lambda: queue.popleft_n(4), counted=5, linked=3)
     assert queue_snapshot(queue) == before
+    # The message names the blocks the list does link.
+    with pytest.raises(Exception, match=r"block ids 0, 1, 2; asked for 4"):
+        queue.popleft_n(4)
 
 
 def test_pool_refusal_is_typed_and_changes_nothing():
@@ -78,7 +96,13 @@ def test_random_refusals_leave_queue_unchanged(size, removed, extra, miscount):
     queue.num_free_blocks += miscount
     before = queue_snapshot(queue)
     linked = len(before["order"])
-    expect_no_free_blocks(lambda: queue.popleft_n(linked + extra), linked + extra)
+    n = linked + extra
+    if n > queue.num_free_blocks:
+        # More than the count: a shortage, whatever the list holds.
+        expect_no_free_blocks(lambda: queue.popleft_n(n), n)
+    else:
+        # Within the count, beyond the list: the count is wrong.
+        expect_corruption(lambda: queue.popleft_n(n), queue.num_free_blocks, linked)
     assert queue_snapshot(queue) == before
 
 

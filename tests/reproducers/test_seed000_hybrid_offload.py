@@ -19,7 +19,7 @@ from collections import Counter
 import pytest
 
 from harness.engine import Engine, HarnessConfig
-from harness.invariants import assert_pool_ok, pool_violations
+from harness.invariants import assert_pool_ok, manager_violations, pool_violations
 
 # 52 blocks of 16 tokens, a 48-token window and 256-token chunks: a
 # 445-token request takes 28 full attention blocks plus up to 19 window
@@ -130,3 +130,52 @@ def first_request_stores_each_block_once(num_cpu_blocks: int) -> None:
         )
     assert watch.first is None, f"GPU pool inconsistent after step {watch.first}"
     assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
+
+
+def switch_off_position_check(monkeypatch) -> None:
+    """Revert 0006 at run time: its check that a block still holds its
+    position's hash always passes, so the eager scan stores freed window
+    blocks again and seed 000's double free corrupts the GPU free queue.
+    (The bare release has no such check and corrupts it by itself.)"""
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    # 0.20.2's name for the check, then 0.33.0's.
+    for name in ("_is_position_hash", "_holds_position"):
+        if hasattr(SimpleCPUOffloadScheduler, name):
+            monkeypatch.setattr(
+                SimpleCPUOffloadScheduler, name, staticmethod(lambda *args: True)
+            )
+
+
+@pytest.mark.parametrize("store_delay", [0, 2])
+def test_corrupted_free_queue_stops_the_engine(monkeypatch, store_delay):
+    """A corrupted free queue (it counts more blocks than it links) must stop
+    the engine with KVCacheCorruptionError: not the release's bare
+    AssertionError, not a shortage the scheduler waits on forever (a hang
+    nothing restarts), and never after one block went to two requests.
+    Each CPU pool either runs clean or ends so; at least one corrupts."""
+    switch_off_position_check(monkeypatch)
+    outcomes = {}
+    for num_cpu_blocks in CPU_POOLS:
+        e = seed000_engine(store_delay, num_cpu_blocks)
+        shared: list[tuple[int, str]] = []
+
+        def watch(e: Engine, shared=shared) -> None:
+            for problem in manager_violations(e.scheduler.kv_cache_manager):
+                if " held " in problem or "held in groups" in problem:
+                    shared.append((e.stats.steps, problem))
+
+        try:
+            e.add_request(PROMPT_A, max_tokens=8)
+            e.run(max_steps=300, after_step=watch)
+            e.add_request(PROMPT_B, max_tokens=8)
+            e.run(max_steps=300, after_step=watch)
+            assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
+            outcomes[num_cpu_blocks] = "clean"
+        except Exception as exc:
+            where = f"{num_cpu_blocks} CPU blocks"
+            assert type(exc).__name__ == "KVCacheCorruptionError", f"{where}: {exc!r}"
+            assert "links only" in str(exc), str(exc)
+            outcomes[num_cpu_blocks] = "stopped"
+        assert shared == [], shared[:3]
+    assert "stopped" in outcomes.values(), f"nothing corrupted the queue: {outcomes}"
