@@ -76,13 +76,20 @@ def make_manager(layout: tuple[str, ...], num_blocks: int) -> KVCacheManager:
             for i, kind in enumerate(layout)
         ],
     )
-    return make_kv_cache_manager(
+    manager = make_kv_cache_manager(
         config,
         max_model_len=4096,
         block_size=BS,
         max_tokens_per_step=256,
         enable_caching="cross" not in layout,
     )
+    for group in manager.coordinator.single_type_managers:
+        if hasattr(group, "_record_new_block_ids"):
+            # From 0.30 attention groups record the new block ids the worker
+            # zeroes only where it must (Mamba hybrids, mixed precision):
+            # record them in every layout here, so every undo is checked.
+            group._record_new_block_ids = True
+    return manager
 
 
 def make_request(req_id: str, tokens: list[int]) -> Request:
