@@ -366,7 +366,9 @@ def test_kvcached_pool_exhausted_is_a_refusal(kvcached_utils, after_calls):
     assert not schedule(manager, req, 160)
     assert peer.strikes
     assert manager_snapshot(manager) == before
-    assert isinstance(manager.last_shortfall.refusal, kvcached_utils.KVCachePoolExhausted)
+    assert isinstance(
+        manager.last_shortfall.refusal, kvcached_utils.KVCachePoolExhausted
+    )
     assert manager.num_refusals == 1
     assert schedule(manager, req, 160)
 
