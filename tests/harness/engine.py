@@ -88,6 +88,9 @@ class HarnessConfig:
     max_num_batched_tokens: int = 128
     max_num_seqs: int = 16
     prefix_caching: bool = True
+    # What the scheduler does with a KV load that failed ("fail": the
+    # request fails; "recompute": it is scheduled again). None: the default.
+    kv_load_failure_policy: str | None = None
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     # Steps after launch at which a transfer completes (0: in the same step).
@@ -106,6 +109,11 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
                 "cpu_bytes_to_use": cfg.num_cpu_blocks * PAGE_BYTES * cfg.block_size,
                 "lazy_offload": cfg.lazy,
             },
+            **(
+                {"kv_load_failure_policy": cfg.kv_load_failure_policy}
+                if cfg.kv_load_failure_policy
+                else {}
+            ),
         )
     return VllmConfig(
         model_config=ModelConfig(
@@ -369,6 +377,8 @@ class Engine:
             # In place of register_kv_caches, which needs CUDA tensors.
             self.worker._backend = self.copy_backend  # type: ignore[assignment]
         self._ids = itertools.count()
+        # Requests whose next CPU->GPU load fails (see fail_next_load).
+        self._failing_loads: set[str] = set()
 
     # --- handles on the real objects -------------------------------------
     @property
@@ -407,6 +417,23 @@ class Engine:
         self.scheduler.add_request(req)
         return req_id
 
+    def fail_next_load(self, req_id: str) -> None:
+        """The next load of `req_id` fails whole: when it completes, the
+        worker reports every block the request holds as invalid (as a
+        connector does through get_block_ids_with_load_errors) and the fake
+        GPU cache loses what the copy wrote there."""
+        self._failing_loads.add(req_id)
+
+    def _failed_load_blocks(self, recving: set[str] | None) -> set[int]:
+        invalid: set[int] = set()
+        for req_id in sorted(self._failing_loads & set(recving or ())):
+            self._failing_loads.discard(req_id)
+            for ids in self.scheduler.kv_cache_manager.get_block_ids(req_id):
+                for block_id in ids:
+                    invalid.add(block_id)
+                    self.kv.gpu.pop(block_id, None)
+        return invalid
+
     def abort(self, req_id: str) -> None:
         self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
         self.stats.aborted.add(req_id)
@@ -434,10 +461,13 @@ class Engine:
                     w.start_load_kv()
                 w.wait_for_save()
                 sending, recving = w.get_finished(so.finished_req_ids)
+                invalid = self._failed_load_blocks(recving)
                 out.kv_connector_output = KVConnectorOutput(
                     finished_sending=sending,
                     finished_recving=recving,
                     kv_connector_worker_meta=w.build_connector_worker_meta(),
+                    # Passed only when set: not every release has the field.
+                    **({"invalid_block_ids": invalid} if invalid else {}),
                 )
                 w.clear_connector_metadata()
         self.stats.steps += 1

@@ -71,6 +71,23 @@ def test_pop_from_miscounted_queue_changes_nothing():
         queue.popleft_n(4)
 
 
+@pytest.mark.parametrize("miscount", [1, -1], ids=["count-high", "count-low"])
+def test_pop_that_ends_where_the_count_disagrees_changes_nothing(miscount):
+    # A pop that stays inside the list still shows a wrong count when it
+    # ends: at the fake tail while more are counted, or before the tail
+    # with the count used up. Caught there, not later by another pop.
+    queue, _ = make_queue(5)
+    queue.num_free_blocks += miscount
+    n = 5 if miscount > 0 else 4
+    before = queue_snapshot(queue)
+    with pytest.raises(Exception) as info:
+        queue.popleft_n(n)
+    assert type(info.value).__name__ == "KVCacheCorruptionError", repr(info.value)
+    found = "links only 5" if miscount > 0 else "links more than 4"
+    assert f"counts {5 + miscount} free blocks but {found}" in str(info.value)
+    assert queue_snapshot(queue) == before
+
+
 def test_pool_refusal_is_typed_and_changes_nothing():
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
     held = pool.get_new_blocks(5)

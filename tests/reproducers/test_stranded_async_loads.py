@@ -114,3 +114,33 @@ def test_idle_streaming_session_keeps_its_kv_with_no_connector():
     assert h in e.stats.finished
     assert e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_an_async_load_that_failed_whole_is_admitted_again():
+    """A load that fails whole (kv_load_failure_policy="recompute") gives
+    the request's blocks back and the request is admitted as a load again.
+    Its own prompt must not count against it: reserving it would refuse a
+    prompt that needs more than half of what is free, forever, with
+    nothing running (upstream's gate as first written does that)."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=64,
+            num_cpu_blocks=256,
+            kv_load_failure_policy="recompute",
+        )
+    )
+    e.add_request(PREFIX_A, max_tokens=3)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    # 50 of 63 usable blocks, 20 of them loaded from the CPU.
+    a1 = e.add_request(PREFIX_A + [1] * (30 * BS), max_tokens=2)
+    e.fail_next_load(a1)
+    try:
+        e.run(max_steps=300)
+    except AssertionError as exc:
+        pytest.fail(f"the scheduler is stuck: {exc}")
+    assert a1 in e.stats.finished
+    assert not e._failing_loads, "the load should have failed once"
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
