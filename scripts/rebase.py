@@ -670,14 +670,26 @@ def record(entry: Entry, outcome: Outcome, verdicts: dict) -> None:
     entry.port = outcome.port
 
 
+def shows_nothing_there(verdict: list[str]) -> bool:
+    """A reproducer verdict that cannot show the bug on that release: the
+    test passes there (upstream fixed that part), or skips itself (what it
+    sets up does not happen there)."""
+    state, message = (verdict + ["", ""])[:2]
+    return state == "passes" or (state == "not run" and message.startswith("skipped"))
+
+
 def drop_fixed_reproducers(state: State, entry: Entry) -> None:
     """A kept patch's reproducers that pass on the bare new release no longer
-    show its bug there (upstream fixed that part): take their trailers out
-    of the patch's commit, so that the new series names only tests that fail
-    on its base."""
+    show its bug there (upstream fixed that part), and those that skip there
+    never can: take their trailers out of the patch's commit, so that the
+    new series names only tests that fail on its base."""
     if entry.state not in (CLEAN, MERGED):
         return
-    fixed = {t for t in entry.reproducers if state.verdicts.get(t, [""])[0] == "passes"}
+    fixed = {
+        t
+        for t in entry.reproducers
+        if shows_nothing_there(list(state.verdicts.get(t, [""])))
+    }
     if not fixed or fixed == set(entry.reproducers):
         return
     tree = state.tree_path
@@ -701,7 +713,7 @@ def drop_fixed_reproducers(state: State, entry: Entry) -> None:
         env=committer,
     )
     entry.detail += (
-        f"; {len(fixed)} of its reproducers pass on {state.new.version}: "
+        f"; {len(fixed)} of its reproducers pass or skip on {state.new.version}: "
         "dropped from its trailers"
     )
 

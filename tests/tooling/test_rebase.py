@@ -363,6 +363,33 @@ def test_a_kept_patch_names_only_reproducers_that_fail_on_the_new_release(
     state = start(upstream, project)
     entry = state.patches[0]
     assert entry.state == "clean"
-    assert "1 of its reproducers pass on 9.9.10" in entry.detail
+    assert "1 of its reproducers pass or skip on 9.9.10" in entry.detail
+    kept = Series(upstream.tree.parent / "into").patches()
+    assert [p.reproducers() for p in kept] == [[still]]
+
+
+def test_a_kept_patch_drops_reproducers_that_skip_on_the_new_release(
+    upstream, project
+):
+    # A reproducer that skips itself on the new release (what it sets up
+    # does not happen there) can never fail on that base: it leaves the
+    # trailers too, while one that still fails stays.
+    (project / "tests/reproducers/test_line35.py").write_text(
+        "from pathlib import Path\n\nimport pytest\nimport vllm\n\n\n"
+        "def test_line_35_is_spelled_out():\n"
+        "    pool = Path(vllm.__file__).parent / 'v1/core/block_pool.py'\n"
+        "    assert 'line thirty-five' in pool.read_text()\n\n\n"
+        "def test_not_on_this_release():\n"
+        "    pytest.skip('nothing to set up here')\n"
+    )
+    still = "tests/reproducers/test_line35.py::test_line_35_is_spelled_out"
+    skips = "tests/reproducers/test_line35.py::test_not_on_this_release"
+    upstream.add_patch(
+        "vllm/v1/core/block_pool.py",
+        LINES.replace("line 35\n", "line thirty-five\n"),
+        f"Clean: change line 35\n\nReproducer: {still}\nReproducer: {skips}",
+    )
+    state = start(upstream, project)
+    assert state.patches[0].state == "clean"
     kept = Series(upstream.tree.parent / "into").patches()
     assert [p.reproducers() for p in kept] == [[still]]
