@@ -368,9 +368,7 @@ def test_a_kept_patch_names_only_reproducers_that_fail_on_the_new_release(
     assert [p.reproducers() for p in kept] == [[still]]
 
 
-def test_a_kept_patch_drops_reproducers_that_skip_on_the_new_release(
-    upstream, project
-):
+def test_a_kept_patch_drops_reproducers_that_skip_on_the_new_release(upstream, project):
     # A reproducer that skips itself on the new release (what it sets up
     # does not happen there) can never fail on that base: it leaves the
     # trailers too, while one that still fails stays.
