@@ -8,8 +8,11 @@ For every series (default: patches/ and any series under patches/v*/):
      trees: a test that passes on the base must pass with the series;
   3. run tests/reproducers on both trees: every test a patch names in a
      `Reproducer:` trailer must fail on the base and pass with the series;
-  4. check the series is stable: refresh right after apply changes no byte;
-  5. lint the files the series changes with vLLM's own ruff settings.
+  4. the differential oracle (scripts/differential.py) on a short run of
+     generated traces: the series schedules as the base does, except where
+     a patch declares otherwise;
+  5. check the series is stable: refresh right after apply changes no byte;
+  6. lint the files the series changes with vLLM's own ruff settings.
 Then, once: the project's own tests (tests/, with the first series' tree)
 and ruff on scripts/ and tests/. Ends with a summary table; exits non-zero
 if any step failed. Logs are in .work/logs/.
@@ -28,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import differential as differential_oracle
 
 from apply import apply_series, checkout_base
 from common import (
@@ -50,6 +55,9 @@ from venv import VENV, ensure_venv, release_venv
 
 UPSTREAM_TESTS = [p for p in TRACKED_PATHS if p.startswith("tests/")]
 REPRODUCERS = ROOT / "tests" / "reproducers"
+# Traces per series in make test's differential step (seconds each; make
+# soak runs many more).
+DIFFERENTIAL_TRACES = 200
 LOGS = WORK / "logs"
 
 
@@ -177,6 +185,25 @@ def reproducers(python: Path, trees: Trees) -> tuple[bool, str]:
     if problems:
         detail = "\n".join(problems)
     return not problems, detail
+
+
+def differential(python: Path, trees: Trees) -> tuple[bool, str]:
+    """A short run of the differential oracle (make soak runs a long one)."""
+    verdicts, lines = differential_oracle.run_traces(
+        python,
+        trees.base,
+        trees.patched,
+        differential_oracle.series_effects(trees.series),
+        range(DIFFERENTIAL_TRACES),
+        progress=False,
+    )
+    log = LOGS / f"differential-v{trees.version}.md"
+    log.write_text("\n".join(lines) + "\n")
+    ok = not any(v.kind == "FAILED" for v in verdicts)
+    detail = differential_oracle.summary(verdicts)
+    if not ok:
+        detail += f" (see {rel(log)})\n" + "\n".join(lines[-12:])
+    return ok, detail
 
 
 def series_stable(trees: Trees) -> tuple[bool, str]:
@@ -350,6 +377,7 @@ def main() -> int:
                     f"upstream tests v{v}", lambda t=t, py=py: upstream_tests(py, t)
                 )
             report.run(f"reproducers v{v}", lambda t=t, py=py: reproducers(py, t))
+            report.run(f"differential v{v}", lambda t=t, py=py: differential(py, t))
             report.run(f"series stable v{v}", lambda t=t: series_stable(t))
             report.run(f"ruff vLLM settings v{v}", lambda t=t: vllm_lint(t))
 

@@ -7,7 +7,8 @@ prefill, hybrid groups, tiny GPU and CPU pools, aborts, preemptions, late
 transfers and a pool raced by a peer engine) on the base and on the series,
 through vLLM's real scheduler, KV cache manager and SimpleCPUOffload
 connector, checking the invariants after every step. Then it runs the
-hypothesis state machines with a larger budget on the series.
+hypothesis state machines with a larger budget on the series, and the
+differential oracle (scripts/differential.py) on --traces traces.
 
 Prints one table (also .work/soak/soak.md and soak.json): per workload and
 tree, runs, steps, requests completed, preemptions, crashes (exception and
@@ -75,17 +76,27 @@ def worker_env(tree: Path) -> dict[str, str]:
 
 
 class Worker:
-    """One `harness.soak_worker --serve` process on one tree: a run per call."""
+    """One `--serve` process of a harness module on one tree: it answers one
+    JSON line per request line (harness.soak_worker: a run per call)."""
 
-    def __init__(self, python: Path, tree: Path, name: str, seed: int):
+    def __init__(
+        self,
+        python: Path,
+        tree: Path,
+        name: str,
+        seed: int,
+        module: str = "harness.soak_worker",
+        log_dir: Path = OUT,
+    ):
         self.name = name
         # Set iteration order depends on the hash seed, and vLLM iterates
         # sets of block hashes: without a fixed one a seed does not replay.
         env = {**os.environ, **worker_env(tree), "PYTHONHASHSEED": str(seed % 2**32)}
-        self.log_path = OUT / f"worker-{name}.log"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"worker-{name}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [str(python), "-m", "harness.soak_worker", "--serve"],
+            [str(python), "-m", module, "--serve"],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,
@@ -94,29 +105,39 @@ class Worker:
             text=True,
         )
 
-    def run(
-        self, workload: str, seed: int, scale: int, timeout: float, timing: bool = False
-    ) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    def send(self, line: str) -> None:
+        """Ask without waiting (`receive` gets the answer): the workers of
+        both trees then work at once."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+
+    def receive(self, what: str, timeout: float) -> dict:
+        assert self.proc.stdout is not None
         killer = threading.Timer(timeout, self.proc.kill)
         killer.start()
         try:
-            flags = " timing" if timing else ""
-            self.proc.stdin.write(f"{workload} {seed} {scale}{flags}\n")
-            self.proc.stdin.flush()
             line = self.proc.stdout.readline()
-        except BrokenPipeError:
-            line = ""
         finally:
             killer.cancel()
         if not line:
             self.proc.wait()
             why = "timed out" if self.proc.returncode == -9 else "exited"
             raise ForkError(
-                f"soak worker on {self.name} {why} in {workload} seed {seed} "
-                f"(--timeout {timeout:g}); see {rel(self.log_path)}"
+                f"worker on {self.name} {why} in {what} (--timeout {timeout:g}); "
+                f"see {rel(self.log_path)}"
             )
         return json.loads(line)
+
+    def run(
+        self, workload: str, seed: int, scale: int, timeout: float, timing: bool = False
+    ) -> dict:
+        flags = " timing" if timing else ""
+        self.send(f"{workload} {seed} {scale}{flags}")
+        return self.receive(f"{workload} seed {seed}", timeout)
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -359,6 +380,28 @@ def series_problems(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     return out
 
 
+def differential_run(
+    python: Path, trees: dict[str, Path], series: Series, seeds: range
+) -> tuple[bool, str]:
+    """The differential oracle's long run: base and series step by step."""
+    import differential  # it uses this module's Worker
+
+    verdicts, lines = differential.run_traces(
+        python,
+        trees["base"],
+        trees["series"],
+        differential.series_effects(series),
+        seeds,
+        progress=False,
+    )
+    (OUT / "differential.md").write_text("\n".join(lines) + "\n")
+    ok = not any(v.kind == "FAILED" for v in verdicts)
+    detail = differential.summary(verdicts)
+    if not ok:
+        detail += f" (see {rel(OUT / 'differential.md')})"
+    return ok, detail
+
+
 def stateful(python: Path, tree: Path) -> tuple[bool, str]:
     env = {**os.environ, **worker_env(tree), "HYPOTHESIS_PROFILE": "soak"}
     start = time.monotonic()
@@ -445,6 +488,12 @@ def main() -> int:
         default=120,
         help="seconds one run may take (default 120)",
     )
+    p.add_argument(
+        "--traces",
+        type=int,
+        default=2000,
+        help="differential oracle traces, from the soak's seed (default 2000)",
+    )
     args = p.parse_args()
     seed = random.randrange(1_000_000) if args.vary else args.seed
     workloads = [w for w in args.workloads.split(",") if w]
@@ -526,11 +575,17 @@ def main() -> int:
         for workload, trees_runs in raw.items()
     }
     ok_stateful, stateful_detail = stateful(python, trees["series"])
+    print(f"differential oracle: {args.traces} traces", file=sys.stderr)
+    ok_differential, differential_detail = differential_run(
+        python, trees, series, range(seed, seed + args.traces)
+    )
 
     ratios = speed_ratios(timings)
     problems = series_problems(results)
     if not ok_stateful:
         problems.append(f"hypothesis state machines: {stateful_detail}")
+    if not ok_differential:
+        problems.append(f"differential oracle: {differential_detail}")
     md = [
         f"Soak of {rel(series.dir)} on vLLM {version}, seed {seed}, "
         f"{args.runs} runs x scale {args.scale}, "
@@ -541,6 +596,8 @@ def main() -> int:
         *speed_lines(args, ratios, results),
         "",
         f"Hypothesis state machines (soak budget) on the series: {stateful_detail}",
+        "",
+        f"Differential oracle (scripts/differential.py): {differential_detail}",
     ]
     firsts = [
         f"- {w} on {t}: {row['first_violation']}"

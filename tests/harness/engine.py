@@ -88,6 +88,8 @@ class HarnessConfig:
     max_num_batched_tokens: int = 128
     max_num_seqs: int = 16
     prefix_caching: bool = True
+    # "fcfs" or "priority" (requests then carry a priority, lower first).
+    policy: str = "fcfs"
     # What the scheduler does with a KV load that failed ("fail": the
     # request fails; "recompute": it is scheduled again). None: the default.
     kv_load_failure_policy: str | None = None
@@ -128,6 +130,7 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
+            policy=cfg.policy,
             async_scheduling=False,
             is_encoder_decoder=False,
         ),
@@ -398,6 +401,7 @@ class Engine:
         max_tokens: int = 1,
         req_id: str | None = None,
         resumable: bool = False,
+        priority: int = 0,
     ) -> str:
         """Add a request. `resumable` makes a streaming-input session: it
         waits for its next chunk, keeping its KV, when it stops; a later call
@@ -409,6 +413,7 @@ class Engine:
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             pooling_params=None,
             block_hasher=self.block_hasher,
+            priority=priority,
             # Passed only when set: releases before streaming input lack it.
             **({"resumable": True} if resumable else {}),
         )

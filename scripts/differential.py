@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""The differential oracle: the series does what the base does, except
+where one of its patches says it does something else.
+
+Runs generated traces (tests/harness/traces.py: requests with shared
+prefixes and priorities, streaming-input sessions that idle holding KV,
+aborts, preemption; no connector, or CPU offload eager or lazy; prefix
+caching on and off; FCFS and priority; chunked prefill on and off; hybrid
+groups) through vLLM's real scheduler on the base and on the series, one
+worker process per tree, and compares them step by step: the requests
+scheduled and their token counts, preemptions, finished requests, free GPU
+blocks, running and waiting counts, requests waiting for KV, blocks loaded
+and stored.
+
+The first step where they differ must be one a patch of the series
+declares (EFFECTS: which observables it may change, and when). Then the
+comparison stops: what follows depends on that difference. Where the base
+crashes or breaks an invariant, the comparison stops there too, and the
+series must carry on to the end without either. Anything else fails, with
+the trace, the first divergent step and both records there, and how to
+replay it.
+
+    scripts/differential.py [--series DIR] [--seeds N] [--first-seed K]
+                            [--series-tree DIR]
+
+--series-tree compares the base with that tree in place of the series
+(e.g. one built from an older series: `scripts/apply.py --series OLD
+--tree DIR`); its patches are taken to be those of --series.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from apply import apply_series, checkout_base
+from common import DEFAULT_SERIES, ROOT, WORK, main_guard, parser, rel
+from series import Series
+from soak import Worker
+from venv import ensure_venv
+
+OUT = WORK / "differential"
+ALL = frozenset(
+    {
+        "sched",
+        "preempted",
+        "finished",
+        "free",
+        "running",
+        "waiting",
+        "remote_waiting",
+        "loads",
+        "stores",
+        "ended",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What a patch may change, and when: `patch` is part of its file name,
+    `when` a condition on the trace and the steps so far (CONDITIONS)."""
+
+    patch: str
+    observables: frozenset[str]
+    when: str
+    why: str
+
+
+# The scheduling that follows a different load or store (what is cached,
+# what is free, what is admitted) differs too.
+AFTER_TRANSFERS = frozenset({"free", "sched", "running", "waiting", "finished"})
+EFFECTS = [
+    Effect(
+        "Pin-SimpleCPUOffload-CPU-hits",
+        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
+        "loads",
+        "CPU hits stay pinned from lookup to load: loads the base lost happen",
+    ),
+    Effect(
+        "Store-the-final-blocks",
+        AFTER_TRANSFERS | {"stores", "ended"},
+        "eager",
+        "eager offload: a request that finishes in the step its last block is "
+        "computed keeps its blocks until that block is stored",
+    ),
+    Effect(
+        "Order-SimpleCPUOffload-GPU-CPU-stores",
+        AFTER_TRANSFERS | {"stores", "loads", "ended"},
+        "stores",
+        "stores wait for the compute that wrote their blocks",
+    ),
+    Effect(
+        "store-only-blocks-that",
+        AFTER_TRANSFERS | {"stores", "loads", "ended"},
+        "stores",
+        "eager stores skip block ids that no longer hold their position",
+    ),
+    Effect(
+        "touch-every-group-s-prefix-hits",
+        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted"},
+        "hybrid-loads",
+        "hybrid requests with CPU hits take every group's prefix hits first",
+    ),
+    Effect(
+        "admit-an-async-KV-load",
+        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
+        "loads",
+        "an async KV load waits while in-flight prefills need the blocks",
+    ),
+]
+
+
+def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int):
+    """Whether `name` holds at step i (records up to i of both trees)."""
+    if not trace["offload"]:
+        return False
+    if name == "eager":
+        return not trace["lazy"]
+    seen = [*base[: i + 1], *series[: i + 1]]
+    if name == "stores":
+        return any(r["stores"] for r in seen)
+    loads = any(r["loads"] or r["remote_waiting"] for r in seen)
+    if name == "loads":
+        return loads
+    if name == "hybrid-loads":
+        return trace["hybrid"] and loads
+    raise ValueError(f"unknown condition {name}")
+
+
+@dataclass
+class Verdict:
+    seed: int
+    kind: str  # same, explained, base-failed, FAILED
+    detail: str = ""
+
+
+def first_difference(base: list, series: list) -> tuple[int, set[str]] | None:
+    for i, (b, s) in enumerate(zip(base, series, strict=False)):
+        differ = {k for k in b if b[k] != s.get(k)}
+        if differ:
+            return i, differ
+    if len(base) != len(series):
+        return min(len(base), len(series)), {"ended"}
+    return None
+
+
+def compare(
+    seed: int,
+    trace: dict[str, Any],
+    base: dict[str, Any],
+    series: dict[str, Any],
+    effects: list[Effect],
+) -> Verdict:
+    if series["crash"] or series["violation"]:
+        return Verdict(
+            seed, "FAILED", f"series: {series['crash'] or series['violation']}"
+        )
+    b_steps, s_steps = base["steps"], series["steps"]
+    base_failed = base["crash"] or base["violation"]
+    if base_failed:
+        # The base's last step is where it broke: compare the steps before.
+        b_steps = b_steps[:-1] if base["violation"] else b_steps
+        s_steps = s_steps[: len(b_steps)]
+    found = first_difference(b_steps, s_steps)
+    if found is None:
+        if base_failed:
+            return Verdict(seed, "base-failed", base_failed)
+        return Verdict(seed, "same")
+    i, differ = found
+    covering = [
+        e
+        for e in effects
+        if condition(e.when, trace, b_steps, s_steps, i) and e.observables & differ
+    ]
+    covered = set().union(*(e.observables for e in covering)) if covering else set()
+    if differ <= covered:
+        names = ", ".join(sorted({e.patch for e in covering}))
+        return Verdict(seed, "explained", f"step {i}: {sorted(differ)} by {names}")
+    at = slice(max(0, i - 1), i + 1)
+    return Verdict(
+        seed,
+        "FAILED",
+        f"first divergence at step {i} in {sorted(differ - covered)}, which no "
+        f"patch of the series declares here\n"
+        f"      base   steps {at.start}..{i}: {json.dumps(b_steps[at])}\n"
+        f"      series steps {at.start}..{i}: {json.dumps(s_steps[at])}",
+    )
+
+
+def series_effects(series: Series) -> list[Effect]:
+    names = [p.name for p in series.patches()]
+    return [e for e in EFFECTS if any(e.patch in n for n in names)]
+
+
+def run_traces(
+    python: Path,
+    base_tree: Path,
+    series_tree: Path,
+    effects: list[Effect],
+    seeds: range,
+    timeout: float = 120,
+    progress: bool = True,
+) -> tuple[list[Verdict], list[str]]:
+    """Run the traces of `seeds` on both trees; the verdicts and a report."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from harness.traces import generate
+
+    start = time.monotonic()
+    workers = {
+        name: Worker(
+            python, tree, name, seeds.start, module="harness.trace_worker", log_dir=OUT
+        )
+        for name, tree in (("base", base_tree), ("series", series_tree))
+    }
+    verdicts: list[Verdict] = []
+    kinds: Counter[tuple[str, str]] = Counter()
+    try:
+        for seed in seeds:
+            for w in workers.values():
+                w.send(str(seed))
+            base, ser = (w.receive(f"trace {seed}", timeout) for w in workers.values())
+            trace = generate(seed)
+            verdict = compare(seed, trace.cfg, base, ser, effects)
+            verdicts.append(verdict)
+            kinds[(trace.connector, verdict.kind)] += 1
+            if verdict.kind == "FAILED" and progress:
+                print(
+                    f"FAILED {trace.describe()}\n    {verdict.detail}", file=sys.stderr
+                )
+    finally:
+        for w in workers.values():
+            w.close()
+    failed = [v for v in verdicts if v.kind == "FAILED"]
+    lines = [
+        f"{len(verdicts)} traces in {time.monotonic() - start:.0f}s",
+        "",
+        "| connector | same | explained | base failed | FAILED |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for c in ("none", "eager", "lazy"):
+        row = [kinds[(c, k)] for k in ("same", "explained", "base-failed", "FAILED")]
+        lines.append(f"| {c} | " + " | ".join(map(str, row)) + " |")
+    explained = Counter(
+        v.detail.split(" by ", 1)[1] for v in verdicts if v.kind == "explained"
+    )
+    if explained:
+        lines += ["", "Explained divergences, by the patches that declare them:"]
+        lines += [f"- {n}: {k}" for k, n in explained.most_common()]
+    if failed:
+        lines += ["", f"{len(failed)} traces diverge where no patch says so:"]
+        for v in failed:
+            lines.append(f"- {generate(v.seed).describe()}")
+            lines.append(f"    {v.detail}")
+        lines.append(
+            f"Replay one: PYTHONHASHSEED={seeds.start} PYTHONPATH=<tree>:tests "
+            ".venv/bin/python -m harness.trace_worker --seed N (base and series)"
+        )
+    return verdicts, lines
+
+
+def summary(verdicts: list[Verdict]) -> str:
+    """One line: how many traces were the same, explained, and so on."""
+    c = Counter(v.kind for v in verdicts)
+    return (
+        f"{len(verdicts)} traces: {c['same']} same, {c['explained']} diverge as "
+        f"a patch declares, {c['base-failed']} where the base fails, "
+        f"{c['FAILED']} unexplained"
+    )
+
+
+def main() -> int:
+    p = parser(__doc__)
+    p.add_argument("--series", type=Path, default=DEFAULT_SERIES)
+    p.add_argument("--seeds", type=int, default=300, help="traces (default 300)")
+    p.add_argument("--first-seed", type=int, default=0, help="first trace seed")
+    p.add_argument(
+        "--series-tree",
+        type=Path,
+        help="compare the base with this tree instead of the series' own",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=120, help="seconds one trace may take"
+    )
+    args = p.parse_args()
+    series = Series(args.series.resolve())
+    version = series.base().version
+    base_tree = WORK / f"v{version}" / "base"
+    checkout_base(series, base_tree)
+    if args.series_tree:
+        series_tree = args.series_tree.resolve()
+    else:
+        series_tree = WORK / f"v{version}" / "series"
+        apply_series(series, series_tree)
+    python = ensure_venv("test", base_tree / "requirements" / "common.txt")
+    print(
+        f"differential: {args.seeds} traces from seed {args.first_seed}, "
+        f"vLLM {version} base against {rel(series_tree)}",
+        file=sys.stderr,
+    )
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    verdicts, lines = run_traces(
+        python, base_tree, series_tree, series_effects(series), seeds, args.timeout
+    )
+    lines[0] = f"Differential oracle, vLLM {version}: {lines[0]}"
+    print("\n".join(lines))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "differential.md").write_text("\n".join(lines) + "\n")
+    print(f"\n{summary(verdicts)}; written {rel(OUT / 'differential.md')}")
+    return 1 if any(v.kind == "FAILED" for v in verdicts) else 0
+
+
+if __name__ == "__main__":
+    main_guard(main)

@@ -1,0 +1,120 @@
+"""Run differential-oracle traces against whichever vLLM tree is on PYTHONPATH.
+
+    python -m harness.trace_worker --seed N      # one trace, JSON on stdout
+    python -m harness.trace_worker --serve       # a seed per stdin line
+
+For each step it records what a client or the worker could tell apart:
+which requests were scheduled and for how many tokens, which were
+preempted and finished, the free GPU blocks, how many requests wait and
+how many of them wait for KV from the connector, and the blocks the
+connector loaded and stored. A crash (with where in vLLM it was raised)
+and the first invariant violation end the record. scripts/differential.py
+compares the records of the base and the series step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from harness.engine import Engine, HarnessConfig
+from harness.invariants import manager_violations
+from harness.soak_worker import where
+from harness.traces import Event, Trace, generate
+from harness.workloads import late_transfers
+
+MAX_STEPS = 3000
+
+
+def engine_for(trace: Trace) -> Engine:
+    cfg = dict(trace.cfg)
+    most = cfg.pop("max_transfer_delay")
+    delays = late_transfers(random.Random(trace.seed), most)
+    return Engine(HarnessConfig(**cfg, transfer_delay=delays))
+
+
+def deliver(e: Engine, event: Event) -> None:
+    kind, req_id = event[0], event[1]
+    known = e.scheduler.requests.get(req_id)
+    if kind == "add":
+        _, _, prompt, max_tokens, priority, resumable = event
+        e.add_request(
+            prompt, max_tokens, req_id, resumable=resumable, priority=priority
+        )
+    elif kind == "chunk" and known is not None and known.resumable:
+        _, _, tokens, max_tokens = event
+        e.add_request(tokens, max_tokens, req_id, resumable=True)
+    elif kind == "end" and known is not None and known.resumable:
+        # A request that is not resumable, sent to a session, ends it.
+        e.add_request([0], 1, req_id)
+    elif kind == "abort" and known is not None:
+        e.abort(req_id)
+
+
+def record(e: Engine, so: Any, launched_before: int) -> dict[str, Any]:
+    launched = e.copy_backend.launched[launched_before:] if e.copy_backend else []
+    running, waiting = e.scheduler.get_request_counts()
+    return {
+        "sched": sorted(so.num_scheduled_tokens.items()),
+        "preempted": sorted(so.preempted_req_ids or ()),
+        "finished": sorted(so.finished_req_ids),
+        "free": e.block_pool.get_num_free_blocks(),
+        "running": running,
+        "waiting": waiting,
+        "remote_waiting": sum(
+            r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            for r in e.scheduler.requests.values()
+        ),
+        "loads": sum(len(x["pairs"]) for x in launched if not x["is_store"]),
+        "stores": sum(len(x["pairs"]) for x in launched if x["is_store"]),
+    }
+
+
+def run(seed: int) -> dict[str, Any]:
+    trace = generate(seed)
+    out: dict[str, Any] = {"seed": seed, "steps": [], "crash": None, "violation": None}
+    try:
+        e = engine_for(trace)
+        last = trace.last_step()
+        for step in range(MAX_STEPS):
+            for event in trace.events.get(step, ()):
+                deliver(e, event)
+            if step > last and not e.busy():
+                break
+            before = len(e.copy_backend.launched) if e.copy_backend else 0
+            so = e.step()
+            out["steps"].append(record(e, so, before))
+            if problems := manager_violations(e.scheduler.kv_cache_manager):
+                out["violation"] = f"step {step}: {problems[0]}"
+                break
+            if e.runner.violations:
+                out["violation"] = f"content: {e.runner.violations[0]}"
+                break
+    except Exception as exc:
+        if where(exc) == "?":
+            raise  # the harness's own failure, not vLLM's: stop the worker
+        out["crash"] = f"{type(exc).__name__} at {where(exc)}: {str(exc)[:300]}"
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, help="run this trace and print its record")
+    p.add_argument("--serve", action="store_true", help="one seed per stdin line")
+    args = p.parse_args()
+    if args.serve:
+        for line in sys.stdin:
+            print(json.dumps(run(int(line))), flush=True)
+    elif args.seed is not None:
+        print(json.dumps(run(args.seed), indent=1))
+    else:
+        p.error("give --seed N or --serve")
+
+
+if __name__ == "__main__":
+    main()

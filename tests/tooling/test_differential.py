@@ -1,0 +1,82 @@
+"""The differential oracle's verdicts, on hand-made step records."""
+
+from __future__ import annotations
+
+import differential
+from differential import compare
+
+STEP = {
+    "sched": [["r0", 16]],
+    "preempted": [],
+    "finished": [],
+    "free": 10,
+    "running": 1,
+    "waiting": 0,
+    "remote_waiting": 0,
+    "loads": 0,
+    "stores": 0,
+}
+NO_CONNECTOR = {"offload": False, "lazy": False, "hybrid": False}
+EAGER = {"offload": True, "lazy": False, "hybrid": False}
+LAZY = {"offload": True, "lazy": True, "hybrid": False}
+
+
+def rec(*steps, crash=None, violation=None):
+    return {"steps": list(steps), "crash": crash, "violation": violation}
+
+
+def step(**changes):
+    return {**STEP, **changes}
+
+
+def test_identical_records_are_the_same():
+    r = rec(step(), step(free=8))
+    assert compare(0, NO_CONNECTOR, r, r, differential.EFFECTS).kind == "same"
+
+
+def test_without_a_connector_no_patch_explains_a_divergence():
+    # An idle streaming session's blocks freed: what an earlier 0008 did.
+    v = compare(0, NO_CONNECTOR, rec(step(), step()), rec(step(), step(free=13)), [])
+    assert v.kind == "FAILED"
+    assert "first divergence at step 1 in ['free']" in v.detail
+
+
+def test_a_declared_effect_explains_a_divergence_where_it_applies():
+    effects = differential.EFFECTS
+    base, series = rec(step(), step(stores=0)), rec(step(), step(stores=3))
+    v = compare(0, EAGER, base, series, effects)
+    assert v.kind == "explained" and "store-only-blocks-that" in v.detail
+    # Not by a patch the series does not carry.
+    only_0001 = [e for e in effects if "Pin-SimpleCPUOffload" in e.patch]
+    assert compare(0, EAGER, base, series, only_0001).kind == "FAILED"
+    # Nor where its condition does not hold: the flush is eager only.
+    flush = [e for e in effects if "Store-the-final-blocks" in e.patch]
+    base, series = rec(step(free=10)), rec(step(free=8))
+    assert compare(0, EAGER, base, series, flush).kind == "explained"
+    assert compare(0, LAZY, base, series, flush).kind == "FAILED"
+
+
+def test_the_comparison_stops_where_the_base_fails():
+    # A crash ends the base's record before the step it crashed in.
+    base = rec(step(), step(free=1), crash="AssertionError at popleft_n")
+    series = rec(step(), step(free=1), step(free=4))
+    v = compare(0, NO_CONNECTOR, base, series, [])
+    assert v.kind == "base-failed"
+    # A step the base got through differently is still a divergence.
+    series = rec(step(), step(free=5), step())
+    assert compare(0, NO_CONNECTOR, base, series, []).kind == "FAILED"
+    # A base that breaks an invariant: its last step is where it broke.
+    base = rec(step(), step(free=1), violation="step 1: block 3 freed twice")
+    assert compare(0, NO_CONNECTOR, base, series, []).kind == "base-failed"
+
+
+def test_a_series_that_crashes_or_breaks_an_invariant_fails():
+    base = rec(step())
+    for bad in ({"crash": "ValueError at x"}, {"violation": "step 0: leak"}):
+        series = {**rec(step()), **bad}
+        assert compare(0, NO_CONNECTOR, base, series, []).kind == "FAILED"
+
+
+def test_a_run_that_goes_on_longer_diverges_where_the_other_ended():
+    v = compare(0, NO_CONNECTOR, rec(step()), rec(step(), step()), [])
+    assert v.kind == "FAILED" and "['ended']" in v.detail
