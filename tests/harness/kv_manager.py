@@ -11,8 +11,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
 
@@ -50,3 +51,70 @@ def computed_blocks(manager: KVCacheManager, request: Request) -> tuple[Any, int
     here never set it, so what they see is a request without one (0)."""
     blocks, num_tokens, *_ = manager.get_computed_blocks(request)
     return blocks, num_tokens
+
+
+def group_spec(kind: str, block_size: int) -> Any:
+    """The KV cache spec of one group: full, swa (a window of two blocks),
+    cross (encoder-decoder cross-attention) or mamba_align."""
+    # Imported here: not every release has every spec.
+    from vllm.v1.kv_cache_interface import (
+        CrossAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    if kind == "full":
+        return FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+        )
+    if kind == "swa":
+        return SlidingWindowSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=1,
+            dtype=torch.float32,
+            sliding_window=2 * block_size,
+        )
+    if kind == "cross":
+        return CrossAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+        )
+    if kind == "mamba_align":
+        return MambaSpec(
+            block_size=block_size,
+            shapes=((1, 1),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",
+        )
+    raise ValueError(f"unknown KV cache group kind {kind}")
+
+
+def make_layout_manager(
+    layout: tuple[str, ...], num_blocks: int, block_size: int, max_model_len: int
+) -> KVCacheManager:
+    """A KVCacheManager whose groups (in this order) share one pool of
+    `num_blocks`. Encoder-decoder layouts (a cross-attention group) run
+    without prefix caching, as vLLM runs them. Every group records the ids
+    of the new blocks the worker zeroes (from 0.30 attention groups record
+    them only where the worker must, for Mamba hybrids or mixed precision),
+    so that every undo of them is seen."""
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"layer{i}"], group_spec(kind, block_size))
+            for i, kind in enumerate(layout)
+        ],
+    )
+    manager = make_kv_cache_manager(
+        config,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        max_tokens_per_step=256,
+        enable_caching="cross" not in layout,
+    )
+    for group in manager.coordinator.single_type_managers:
+        if hasattr(group, "_record_new_block_ids"):
+            group._record_new_block_ids = True
+    return manager

@@ -32,14 +32,15 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from harness.engine import HarnessConfig, make_kv_cache_config
 from harness.invariants import (
+    manager_snapshot,
     manager_violations,
     pool_snapshot,
     pool_violations,
     queue_snapshot,
 )
-from harness.kv_manager import computed_blocks, make_kv_cache_manager
+from harness.kv_manager import computed_blocks, make_layout_manager
+from harness.peer import PeerEngine
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -64,8 +65,9 @@ class FreeQueueMachine(RuleBasedStateMachine):
     def popleft_n(self, n: int) -> None:
         if n > len(self.model):
             before = queue_snapshot(self.queue)
-            with pytest.raises((ValueError, AssertionError)):
+            with pytest.raises(ValueError) as info:
                 self.queue.popleft_n(n)
+            assert type(info.value).__name__ == "NoFreeBlocksError"
             assert queue_snapshot(self.queue) == before
             return
         popped = self.queue.popleft_n(n)
@@ -114,8 +116,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         free = self.pool.get_num_free_blocks()
         if n > free:
             before = pool_snapshot(self.pool)
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError) as info:
                 self.pool.get_new_blocks(n)
+            assert type(info.value).__name__ == "NoFreeBlocksError"
             assert pool_snapshot(self.pool) == before
             return []
         blocks = self.pool.get_new_blocks(n)
@@ -184,54 +187,74 @@ test_block_pool = BlockPoolMachine.TestCase
 class KVCacheManagerMachine(RuleBasedStateMachine):
     """The KV cache manager driven as the scheduler drives it.
 
-    Requests with shared prefixes are admitted (prefix hits, then a chunk),
-    prefilled in chunks, decoded token by token, preempted when an
-    allocation is refused, finished, and cached blocks are evicted. Hybrid:
-    a full attention and a sliding window group share the pool. After every
-    rule: each held block is allocated once per holder and in one group, and
-    the pool's free list matches its count.
+    Requests with shared prefixes are admitted (prefix hits, then a chunk;
+    some with external tokens, as a connector's load), prefilled in chunks,
+    decoded token by token, preempted when an allocation is refused,
+    finished, and cached blocks are evicted. A peer engine sharing the pool
+    (kvcached's case) takes blocks between the manager's count and its
+    grab, so allocations are refused where the count allowed them: a
+    refused call must leave the manager exactly as it was (every group,
+    new_block_ids and Mamba state included). The groups: LAYOUT, in the
+    subclasses below in every order. After every rule: each held block is
+    allocated once per holder and in one group, and the pool's free list
+    matches its count.
     """
+
+    LAYOUT: tuple[str, ...] = ("full", "swa")
 
     def __init__(self) -> None:
         super().__init__()
-        cfg = HarnessConfig(
-            block_size=BLOCK_SIZE,
-            num_gpu_blocks=NUM_BLOCKS * 2,
-            hybrid=True,
-            sliding_window=3 * BLOCK_SIZE,
+        self.kvm = make_layout_manager(
+            self.LAYOUT, NUM_BLOCKS * 2, BLOCK_SIZE, max_model_len=512
         )
-        self.kvm = make_kv_cache_manager(
-            make_kv_cache_config(cfg),
-            max_model_len=512,
-            block_size=BLOCK_SIZE,
-            max_tokens_per_step=CHUNK,
-        )
+        self.peer = PeerEngine(self.kvm.block_pool)
         self.running: dict[str, Request] = {}
         # Refused admissions wait and are retried; the scheduler frees them
         # (free() of a request that holds nothing) when they finish or abort.
         self.waiting: dict[str, Request] = {}
         self.ids = 0
+        self.refusals = 0
 
-    def admit(self, req: Request) -> bool:
-        computed, num_local = computed_blocks(self.kvm, req)
-        num_new = min(CHUNK, req.num_tokens - num_local)
-        if (
-            self.kvm.allocate_slots(
-                req,
-                num_new,
-                num_new_computed_tokens=num_local,
-                new_computed_blocks=computed,
-            )
-            is None
+    def allocate(self, req: Request, num_new: int, **kwargs) -> bool:
+        """allocate_slots, with what a refusal must leave checked."""
+        self.kvm.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
+        before = manager_snapshot(self.kvm)
+        ok = self.kvm.allocate_slots(req, num_new, **kwargs) is not None
+        struck = bool(self.peer.held)
+        self.peer.disarm()
+        self.peer.release()
+        if struck:
+            assert not ok, "a call the peer made short cannot succeed"
+            self.refusals += 1
+        if not ok:
+            assert manager_snapshot(self.kvm) == before
+        return ok
+
+    def admit(self, req: Request, num_external: int = 0) -> bool:
+        computed, num_local = (
+            computed_blocks(self.kvm, req) if self.kvm.enable_caching else (None, 0)
+        )
+        num_external = min(num_external, req.num_tokens - num_local - 1)
+        num_new = min(CHUNK, req.num_tokens - num_local - num_external)
+        if not self.allocate(
+            req,
+            num_new,
+            num_new_computed_tokens=num_local,
+            new_computed_blocks=computed,
+            num_external_computed_tokens=max(0, num_external),
         ):
             return False
-        req.num_computed_tokens = num_local + num_new
+        req.num_computed_tokens = num_local + max(0, num_external) + num_new
         self.waiting.pop(req.request_id, None)
         self.running[req.request_id] = req
         return True
 
-    @rule(prefix=st.integers(0, 2), extra=st.integers(1, 6 * BLOCK_SIZE))
-    def new_request(self, prefix: int, extra: int) -> None:
+    @rule(
+        prefix=st.integers(0, 2),
+        extra=st.integers(1, 6 * BLOCK_SIZE),
+        external=st.sampled_from([0, 0, BLOCK_SIZE, 3 * BLOCK_SIZE]),
+    )
+    def new_request(self, prefix: int, extra: int, external: int) -> None:
         self.ids += 1
         tokens = [prefix * 1000 + i for i in range(4 * BLOCK_SIZE)]
         tokens += [self.ids * 10_000 + i for i in range(extra)]
@@ -242,8 +265,14 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             None,
             block_hasher=HASHER,
         )
-        if not self.admit(req):
+        if not self.admit(req, external):
             self.waiting[req.request_id] = req
+
+    @rule(after_calls=st.integers(0, 2))
+    def peer_strikes(self, after_calls: int) -> None:
+        """The next allocation (its get_new_blocks call `after_calls`) is
+        short: a colocated engine took the blocks the count promised."""
+        self.peer.arm(after_calls)
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -260,7 +289,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         else:
             req.append_output_token_ids(7)
             num_new = 1
-        if self.kvm.allocate_slots(req, num_new) is None:
+        if not self.allocate(req, num_new):
             self.kvm.free(req)  # preempted: back to waiting, holding nothing
             req.num_computed_tokens = 0
             self.waiting[req.request_id] = self.running.pop(req.request_id)
@@ -287,4 +316,24 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert manager_violations(self.kvm, all_done=True) == []
 
 
-test_kv_cache_manager = KVCacheManagerMachine.TestCase
+def machine_for(layout: tuple[str, ...]) -> type[KVCacheManagerMachine]:
+    return type(
+        f"KVCacheManagerMachine_{'_'.join(layout)}",
+        (KVCacheManagerMachine,),
+        {"LAYOUT": layout},
+    )
+
+
+# Every order of full attention, sliding window and align-mode Mamba groups
+# (a Mamba group before another group runs its own undo of moved blocks).
+LAYOUTS = [
+    ("full", "swa"),
+    ("swa", "full"),
+    ("full", "mamba_align"),
+    ("mamba_align", "full"),
+    ("mamba_align", "swa", "full"),
+]
+for _layout in LAYOUTS:
+    globals()[f"test_kv_cache_manager_{'_'.join(_layout)}"] = machine_for(
+        _layout
+    ).TestCase

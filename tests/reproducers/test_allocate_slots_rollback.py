@@ -16,80 +16,27 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.kv_cache_interface import (
-    CrossAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
 from vllm.v1.request import Request
 
 from harness.invariants import assert_manager_ok, manager_snapshot
-from harness.kv_manager import computed_blocks, make_kv_cache_manager
+from harness.kv_manager import computed_blocks, make_layout_manager
 from harness.peer import PeerEngine
 
 BS = 16
 init_none_hash(sha256)
 HASHER = get_request_block_hasher(BS, sha256)
 
-SPECS = {
-    "full": lambda: FullAttentionSpec(
-        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32
-    ),
-    "swa": lambda: SlidingWindowSpec(
-        block_size=BS,
-        num_kv_heads=1,
-        head_size=1,
-        dtype=torch.float32,
-        sliding_window=2 * BS,
-    ),
-    "cross": lambda: CrossAttentionSpec(
-        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32
-    ),
-    "mamba_align": lambda: MambaSpec(
-        block_size=BS,
-        shapes=((1, 1),),
-        dtypes=(torch.float32,),
-        mamba_cache_mode="align",
-    ),
-}
 LAYOUTS = [("full",), ("full", "swa"), ("swa", "full"), ("full", "mamba_align")]
 
 
 def make_manager(layout: tuple[str, ...], num_blocks: int) -> KVCacheManager:
-    """Encoder-decoder layouts (a cross-attention group) run without prefix
-    caching, as vLLM runs them."""
-    config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec([f"layer{i}"], SPECS[kind]())
-            for i, kind in enumerate(layout)
-        ],
-    )
-    manager = make_kv_cache_manager(
-        config,
-        max_model_len=4096,
-        block_size=BS,
-        max_tokens_per_step=256,
-        enable_caching="cross" not in layout,
-    )
-    for group in manager.coordinator.single_type_managers:
-        if hasattr(group, "_record_new_block_ids"):
-            # From 0.30 attention groups record the new block ids the worker
-            # zeroes only where it must (Mamba hybrids, mixed precision):
-            # record them in every layout here, so every undo is checked.
-            group._record_new_block_ids = True
-    return manager
+    return make_layout_manager(layout, num_blocks, BS, max_model_len=4096)
 
 
 def make_request(req_id: str, tokens: list[int]) -> Request:
