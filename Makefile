@@ -11,7 +11,7 @@ ARGS ?=
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-slow bench rebase \
 	rebase-continue rebase-abort matrix wheel overlay export import soak differential \
-	clean
+	mutate clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -68,6 +68,9 @@ matrix: ## patches and reproducers on releases 0.19.0 .. 0.33.0 (.work/matrix/)
 
 bench: ## allocator speed: unpatched base against the series, side by side
 	$(PYTHON) scripts/bench.py --series $(SERIES)
+
+mutate: ## every hunk of every series reverted alone must fail a test (.work/mutate/)
+	$(PYTHON) scripts/mutate.py $(ARGS)
 
 differential: ## the differential oracle: base and series step by step on generated traces (ARGS=--seeds N)
 	$(PYTHON) scripts/differential.py --series $(SERIES) $(ARGS)

@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""`make mutate`: is every hunk of the series load-bearing?
+
+A test is as good as the mutants it kills. For each series (default: all),
+each hunk of each patch is reverted alone on top of the whole series (the
+patched tree with just that hunk undone) and the fast suite runs against
+it: the series' reproducer files and the hypothesis state machines
+(tests/harness_tests/test_stateful.py). The mutant is killed when a test
+fails. A hunk whose revert leaves the code's syntax tree unchanged
+(comments, docstrings) is equivalent and not run; so is a hunk listed in
+EQUIVALENT, with the reason it cannot change behaviour. A hunk that a later
+patch rewrote does not revert alone: it is reported as not separable.
+
+Two mutants run at once (one git worktree each). Writes .work/mutate/
+mutate.md: per patch, killed / survived / equivalent / not separable, and
+each survivor's diff. The last line: `N of M mutants killed (P%)`,
+equivalent and not separable ones excluded. Exits non-zero below --target.
+
+Only whole-hunk reverts so far; operator mutations of single lines (a
+condition weakened, a call dropped) are for a mutation tool to add.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from apply import apply_series, checkout_base
+from common import (
+    DEFAULT_SERIES,
+    ROOT,
+    WORK,
+    ForkError,
+    git,
+    git_ok,
+    main_guard,
+    parser,
+    rel,
+    run,
+)
+from series import Series
+from testenv import tree_env
+from venv import ensure_venv
+
+OUT = WORK / "mutate"
+REPRODUCERS = ROOT / "tests" / "reproducers"
+STATE_MACHINES = ROOT / "tests" / "harness_tests" / "test_stateful.py"
+# Hunks that cannot change behaviour, by patch subject fragment and a line
+# the hunk adds, with the reason.
+EQUIVALENT: dict[tuple[str, str], str] = {}
+
+
+@dataclass
+class Hunk:
+    patch: str  # the patch's subject
+    file: str
+    header: str  # the hunk's @@ line
+    text: str  # a patch holding just this hunk
+
+    @property
+    def name(self) -> str:
+        return f"{self.file} {self.header.split('@@')[1].strip()}"
+
+
+@dataclass
+class Outcome:
+    hunk: Hunk
+    state: str  # killed, survived, equivalent, not separable
+    detail: str = ""
+
+
+def hunks_of(tree: Path, base_tag: str) -> list[Hunk]:
+    """Every hunk of every patch commit between the base and HEAD (the
+    overlay commit excluded), in series order."""
+    commits = git(tree, "rev-list", "--reverse", f"{base_tag}..HEAD").split()
+    out: list[Hunk] = []
+    for commit in commits:
+        subject = git(tree, "log", "-1", "--format=%s", commit).strip()
+        if subject.startswith("fork: overlay"):
+            continue
+        diff = git(tree, "show", "--format=", "-U3", "--no-color", commit)
+        for file_diff in re.split(r"(?m)^(?=diff --git )", diff):
+            if not file_diff.startswith("diff --git "):
+                continue
+            head, *bodies = re.split(r"(?m)^(?=@@ )", file_diff)
+            path = re.search(r"(?m)^\+\+\+ b/(.+)$", head)
+            if path is None or not path[1].endswith(".py"):
+                continue
+            for body in bodies:
+                out.append(Hunk(subject, path[1], body.splitlines()[0], head + body))
+    return out
+
+
+def code_of(source: str) -> str:
+    """The syntax tree without docstrings: what a revert must change to
+    change behaviour."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            body[0] = ast.Pass()
+    return ast.dump(tree)
+
+
+def try_one(hunk: Hunk, worktree: Path, python: Path, tests: list[str]) -> Outcome:
+    for (fragment, line), why in EQUIVALENT.items():
+        if fragment in hunk.patch and f"\n+{line}" in hunk.text:
+            return Outcome(hunk, "equivalent", why)
+    patch_file = worktree.parent / f"{worktree.name}.patch"
+    patch_file.write_text(hunk.text)
+    if not git_ok(worktree, "apply", "-R", "--check", str(patch_file)):
+        return Outcome(hunk, "not separable", "a later patch changed these lines")
+    target = worktree / hunk.file
+    before = target.read_text()
+    git(worktree, "apply", "-R", str(patch_file))
+    try:
+        if code_of(before) == code_of(target.read_text()):
+            return Outcome(hunk, "equivalent", "comments or docstrings only")
+        proc = subprocess.run(
+            [
+                str(python),
+                "-m",
+                "pytest",
+                "-x",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "fork_upstream_plugin",
+                *tests,
+            ],
+            cwd=ROOT,
+            env={**os.environ, **tree_env(worktree)},
+            capture_output=True,
+            text=True,
+        )
+        last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+        if proc.returncode == 0:
+            return Outcome(hunk, "survived", last)
+        failed = re.findall(r"(?m)^FAILED (\S+)", proc.stdout)
+        return Outcome(hunk, "killed", failed[0] if failed else last)
+    finally:
+        target.write_text(before)
+
+
+def mutate_series(series: Series, jobs: int) -> tuple[list[Outcome], list[str]]:
+    version = series.base().version
+    tree = WORK / f"v{version}" / "series"
+    checkout_base(series, WORK / f"v{version}" / "base")
+    apply_series(series, tree)
+    python = ensure_venv("test", tree / "requirements" / "common.txt")
+    files = sorted(
+        {t.split("::")[0] for p in series.patches() for t in p.reproducers()}
+    )
+    tests = [*files, str(STATE_MACHINES.relative_to(ROOT))]
+    hunks = hunks_of(tree, series.base().tag)
+    work = OUT / f"v{version}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    worktrees = []
+    for i in range(jobs):
+        wt = work / f"worktree{i}"
+        git(tree, "worktree", "add", "--detach", "--force", str(wt), "HEAD")
+        worktrees.append(wt)
+    outcomes: list[Outcome] = []
+    free = list(worktrees)
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+
+            def one(hunk: Hunk) -> Outcome:
+                wt = free.pop()
+                try:
+                    return try_one(hunk, wt, python, tests)
+                finally:
+                    free.append(wt)
+
+            for n, outcome in enumerate(pool.map(one, hunks), 1):
+                outcomes.append(outcome)
+                print(
+                    f"    [{n}/{len(hunks)}] {outcome.state:13} "
+                    f"{outcome.hunk.patch[:48]}: {outcome.hunk.name}",
+                    file=sys.stderr,
+                )
+    finally:
+        for wt in worktrees:
+            run(["git", "-C", tree, "worktree", "remove", "--force", wt], check=False)
+    return outcomes, report(version, outcomes)
+
+
+def report(version: str, outcomes: list[Outcome]) -> list[str]:
+    lines = [
+        f"## vLLM {version}",
+        "",
+        "| patch | hunks | killed | survived | equivalent | not separable |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    patches = list(dict.fromkeys(o.hunk.patch for o in outcomes))
+    for patch in patches:
+        mine = [o for o in outcomes if o.hunk.patch == patch]
+        count = {
+            s: sum(o.state == s for o in mine)
+            for s in ("killed", "survived", "equivalent", "not separable")
+        }
+        lines.append(
+            f"| {patch} | {len(mine)} | "
+            + " | ".join(str(v) for v in count.values())
+            + " |"
+        )
+    for o in outcomes:
+        if o.state == "survived":
+            lines += [
+                "",
+                f"Survived: {o.hunk.patch}, {o.hunk.name}",
+                "```diff",
+                o.hunk.text.split("\n@@", 1)[-1].join(["@@", ""]).rstrip(),
+                "```",
+            ]
+    equivalent = [o for o in outcomes if o.state == "equivalent"]
+    if equivalent:
+        lines += ["", "Equivalent:"]
+        lines += [f"- {o.hunk.patch}, {o.hunk.name}: {o.detail}" for o in equivalent]
+    return lines
+
+
+def main() -> int:
+    p = parser(__doc__)
+    p.add_argument(
+        "--series",
+        type=Path,
+        action="append",
+        help="series to mutate (repeatable; default: patches/ and patches/v*/)",
+    )
+    p.add_argument("--jobs", type=int, default=2, help="mutants at once (default 2)")
+    p.add_argument(
+        "--target", type=float, default=95.0, help="percent to kill (default 95)"
+    )
+    args = p.parse_args()
+    if args.series:
+        series_list = [Series(s.resolve()) for s in args.series]
+    else:
+        series_list = [Series(DEFAULT_SERIES)] + [
+            Series(d)
+            for d in sorted(DEFAULT_SERIES.glob("v*"))
+            if (d / "base.toml").is_file()
+        ]
+    start = time.monotonic()
+    lines: list[str] = ["# Mutants of the series (make mutate)", ""]
+    killed = counted = 0
+    for series in series_list:
+        print(f"==> hunks of {rel(series.dir)}", file=sys.stderr)
+        outcomes, part = mutate_series(series, args.jobs)
+        lines += [*part, ""]
+        killed += sum(o.state == "killed" for o in outcomes)
+        counted += sum(o.state in ("killed", "survived") for o in outcomes)
+    if not counted:
+        raise ForkError("no mutant ran")
+    percent = 100 * killed / counted
+    lines.append(f"Took {time.monotonic() - start:.0f}s.")
+    lines.append(f"{killed} of {counted} mutants killed ({percent:.0f}%)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "mutate.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if percent >= args.target else 1
+
+
+if __name__ == "__main__":
+    main_guard(main)
