@@ -23,7 +23,7 @@ from apply import apply_series, checkout_base
 from common import DEFAULT_SERIES, ROOT, WORK, ForkError, main_guard, parser, say
 from series import Series
 from testenv import tree_env
-from venv import ensure_venv
+from venv import series_venv
 
 WORKER = ROOT / "scripts" / "bench_worker.py"
 ANSWER = "BENCH "  # bench_worker.py's answers start with this
@@ -91,7 +91,11 @@ def main() -> int:
     base_tree, series_tree = work / "base", work / "series"
     checkout_base(series, base_tree)
     apply_series(series, series_tree)
-    python = ensure_venv("test", base_tree / "requirements" / "common.txt")
+    python = series_venv(
+        series.base().version,
+        base_tree / "requirements" / "common.txt",
+        series.dir == DEFAULT_SERIES,
+    )
 
     names = list_benchmarks(python, base_tree)
     if args.only:

@@ -42,7 +42,7 @@ from apply import apply_series, checkout_base
 from common import DEFAULT_SERIES, ROOT, WORK, main_guard, parser, rel
 from series import Series
 from soak import Worker
-from venv import ensure_venv
+from venv import series_venv
 
 OUT = WORK / "differential"
 ALL = frozenset(
@@ -297,7 +297,11 @@ def main() -> int:
     else:
         series_tree = WORK / f"v{version}" / "series"
         apply_series(series, series_tree)
-    python = ensure_venv("test", base_tree / "requirements" / "common.txt")
+    python = series_venv(
+        version,
+        base_tree / "requirements" / "common.txt",
+        series.dir == DEFAULT_SERIES,
+    )
     print(
         f"differential: {args.seeds} traces from seed {args.first_seed}, "
         f"vLLM {version} base against {rel(series_tree)}",

@@ -48,7 +48,7 @@ from common import (
 )
 from series import Series
 from testenv import tree_env
-from venv import ensure_venv
+from venv import series_venv
 
 OUT = WORK / "mutate"
 REPRODUCERS = ROOT / "tests" / "reproducers"
@@ -162,7 +162,9 @@ def mutate_series(series: Series, jobs: int) -> tuple[list[Outcome], list[str]]:
     tree = WORK / f"v{version}" / "series"
     checkout_base(series, WORK / f"v{version}" / "base")
     apply_series(series, tree)
-    python = ensure_venv("test", tree / "requirements" / "common.txt")
+    python = series_venv(
+        version, tree / "requirements" / "common.txt", series.dir == DEFAULT_SERIES
+    )
     files = sorted(
         {t.split("::")[0] for p in series.patches() for t in p.reproducers()}
     )

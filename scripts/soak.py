@@ -40,7 +40,7 @@ from apply import apply_series, checkout_base
 from common import DEFAULT_SERIES, ROOT, WORK, ForkError, main_guard, parser, rel
 from series import Series
 from testenv import tree_env
-from venv import ensure_venv
+from venv import series_venv
 
 WORKLOADS = [
     "seed000-hybrid-eager",
@@ -511,7 +511,11 @@ def main() -> int:
     }
     checkout_base(series, trees["base"])
     apply_series(series, trees["series"])
-    python = ensure_venv("test", trees["base"] / "requirements" / "common.txt")
+    python = series_venv(
+        version,
+        trees["base"] / "requirements" / "common.txt",
+        series.dir == DEFAULT_SERIES,
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     print(
         f"soak of {rel(series.dir)} (vLLM {version}): seed {seed}, {args.runs} "

@@ -176,6 +176,16 @@ def release_venv(version: str, common_txt: Path) -> Path:
     return ensure_venv("test", common_txt, venv=target)
 
 
+def series_venv(version: str, common_txt: Path, default: bool) -> Path:
+    """The python to test a series on `version` with: .venv, made to meet
+    the release's requirements, for the default series; for another
+    release's series an environment that meets its own (release_venv), so
+    that a run on another release never reinstalls .venv."""
+    if default:
+        return ensure_venv("test", common_txt)
+    return release_venv(version, common_txt)
+
+
 def main() -> int:
     p = parser(__doc__)
     p.add_argument("level", choices=("build", "test"), nargs="?", default="build")
