@@ -95,7 +95,9 @@ def hunks_of(tree: Path, base_tag: str) -> list[Hunk]:
             if path is None or not path[1].endswith(".py"):
                 continue
             for body in bodies:
-                out.append(Hunk(subject, path[1], body.splitlines()[0], head + body))
+                # git() strips the output's last newline; a patch needs it.
+                text = head + body.rstrip("\n") + "\n"
+                out.append(Hunk(subject, path[1], body.splitlines()[0], text))
     return out
 
 
