@@ -144,3 +144,61 @@ def test_an_async_load_that_failed_whole_is_admitted_again():
     assert not e._failing_loads, "the load should have failed once"
     assert e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def engine_with_prefix_b_on_cpu(load_delay: int = 0) -> Engine:
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=64,
+            num_cpu_blocks=256,
+            transfer_delay=lambda is_store: 0 if is_store else load_delay,
+        )
+    )
+    e.add_request(PREFIX_B + [5] * (4 * BS), max_tokens=2)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    return e
+
+
+# 24 blocks of prefix B on the CPU (the first 24 of PREFIX_B's request).
+LOAD_B = PREFIX_B + [5] * (4 * BS)
+
+
+def test_an_async_load_waits_for_an_inflight_chunked_prefill():
+    """A chunked prefill in flight still needs its blocks: an async load that
+    would take them waits (upstream's design: "avoid deadlock and
+    predictable preemptions"). After A's first chunk 55 blocks are free and
+    A needs 32 more; B's load of 24 would leave 31. Admitted, and slow to
+    land, it takes the blocks A's next chunks need, and A is preempted."""
+    e = engine_with_prefix_b_on_cpu(load_delay=10)
+    a = e.add_request([8000 + t for t in range(40 * BS)], max_tokens=2)
+    e.step()
+    assert e.requests[a].num_computed_tokens > 0
+    b = e.add_request(LOAD_B + [6] * (6 * BS), max_tokens=2)
+    e.run(max_steps=300)
+    assert {a, b} <= e.stats.finished
+    assert e.stats.preemptions == 0
+    loads = [x for x in e.copy_backend.launched if not x["is_store"]]
+    assert loads, "B should have loaded its prefix from the CPU"
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_an_aborted_prefill_reserves_nothing():
+    """A request aborted mid-prefill leaves the in-flight prefills: its
+    blocks are free, and an async load that needs them is admitted. (Kept
+    in flight, its 52 blocks still to come would refuse every load of more
+    than 11, forever, with nothing running.)"""
+    e = engine_with_prefix_b_on_cpu()
+    a = e.add_request([8000 + t for t in range(60 * BS)], max_tokens=2)
+    e.step()
+    e.abort(a)
+    b = e.add_request(LOAD_B + [6] * (6 * BS), max_tokens=2)
+    try:
+        e.run(max_steps=300)
+    except AssertionError as exc:
+        pytest.fail(f"the scheduler is stuck: {exc}")
+    assert b in e.stats.finished
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
