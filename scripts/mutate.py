@@ -54,8 +54,37 @@ OUT = WORK / "mutate"
 REPRODUCERS = ROOT / "tests" / "reproducers"
 STATE_MACHINES = ROOT / "tests" / "harness_tests" / "test_stateful.py"
 # Hunks that cannot change behaviour, by patch subject fragment and a line
-# the hunk adds, with the reason.
-EQUIVALENT: dict[tuple[str, str], str] = {}
+# the hunk adds or removes (exactly, indentation included), with the reason.
+EQUIVALENT: dict[tuple[str, str], str] = {
+    (
+        "allocate_slots: per-group demand",
+        "            self._last_allocation: _MambaAlignAllocation | None = None",
+    ): "only read by free_new_blocks after an align allocation assigned it",
+    (
+        "allocate_slots: per-group demand",
+        "        return False",
+    ): "0.20.2: the cross-attention group's registration flag; its caller "
+    "(the coordinator) only tests it for truth, and None is false too",
+    (
+        "allocate_slots: per-group demand",
+        "            return False",
+    ): "0.33.0: allocate_slots only tests the coordinator's registration "
+    "flag for truth, and None is false too",
+    (
+        "Store the final blocks of a request",
+        "        return bool(self._store_event_to_blocks or self._finish_flushes)",
+    ): "0.20.2: nothing calls the connector's has_pending_stores",
+    (
+        "touch every group's prefix hits",
+        "        num_skipped_tokens = self.get_num_skipped_tokens(",
+    ): "the clamp of the skipped external tokens only gates "
+    "num_external_computed_tokens > 0, which the clamp cannot change",
+    (
+        "touch every group's prefix hits",
+        "        return True",
+    ): "0.20.2: the return value of allocate_external_computed_blocks, where "
+    "the revert puts it back, is not used",
+}
 
 
 @dataclass
@@ -102,10 +131,14 @@ def hunks_of(tree: Path, base_tag: str) -> list[Hunk]:
 
 
 def code_of(source: str) -> str:
-    """The syntax tree without docstrings: what a revert must change to
-    change behaviour."""
+    """The syntax tree without docstrings and annotations (neither runs):
+    what a revert must change to change behaviour."""
     tree = ast.parse(source)
     for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+        if isinstance(node, ast.arg):
+            node.annotation = None
         body = getattr(node, "body", None)
         if (
             isinstance(body, list)
@@ -120,7 +153,8 @@ def code_of(source: str) -> str:
 
 def try_one(hunk: Hunk, worktree: Path, python: Path, tests: list[str]) -> Outcome:
     for (fragment, line), why in EQUIVALENT.items():
-        if fragment in hunk.patch and f"\n+{line}" in hunk.text:
+        changed = f"\n+{line}\n" in hunk.text or f"\n-{line}\n" in hunk.text
+        if fragment in hunk.patch and changed:
             return Outcome(hunk, "equivalent", why)
     patch_file = worktree.parent / f"{worktree.name}.patch"
     patch_file.write_text(hunk.text)
