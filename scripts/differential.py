@@ -45,20 +45,6 @@ from soak import Worker
 from venv import series_venv
 
 OUT = WORK / "differential"
-ALL = frozenset(
-    {
-        "sched",
-        "preempted",
-        "finished",
-        "free",
-        "running",
-        "waiting",
-        "remote_waiting",
-        "loads",
-        "stores",
-        "ended",
-    }
-)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from common import (
     rel,
     run,
 )
-from series import Series
+from series import Series, find_series
 from testenv import tree_env
 from venv import series_venv
 
@@ -287,14 +287,9 @@ def main() -> int:
         "--target", type=float, default=95.0, help="percent to kill (default 95)"
     )
     args = p.parse_args()
-    if args.series:
-        series_list = [Series(s.resolve()) for s in args.series]
-    else:
-        series_list = [Series(DEFAULT_SERIES)] + [
-            Series(d)
-            for d in sorted(DEFAULT_SERIES.glob("v*"))
-            if (d / "base.toml").is_file()
-        ]
+    series_list = (
+        [Series(s.resolve()) for s in args.series] if args.series else find_series()
+    )
     start = time.monotonic()
     lines: list[str] = ["# Mutants of the series (make mutate)", ""]
     killed = counted = 0

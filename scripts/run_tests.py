@@ -36,7 +36,6 @@ import differential as differential_oracle
 
 from apply import apply_series, checkout_base
 from common import (
-    DEFAULT_SERIES,
     ROOT,
     WORK,
     ForkError,
@@ -49,7 +48,7 @@ from common import (
 )
 from common import run as run_cmd
 from refresh import refresh_series
-from series import TRACKED_PATHS, Series
+from series import TRACKED_PATHS, Series, find_series
 from testenv import count, read_junit, run_pytest
 from venv import VENV, ensure_venv, release_venv
 
@@ -75,16 +74,6 @@ class Trees:
     version: str
     base: Path
     patched: Path
-
-
-def find_series() -> list[Series]:
-    found = [Series(DEFAULT_SERIES)]
-    found += [
-        Series(d)
-        for d in sorted(DEFAULT_SERIES.glob("v*"))
-        if (d / "base.toml").is_file()
-    ]
-    return found
 
 
 def prepare(series: Series) -> Trees:

@@ -8,7 +8,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import OVERLAY, ForkError, rel
+from common import DEFAULT_SERIES, OVERLAY, ForkError, rel
 
 BASE_FILE = "base.toml"
 BASE_KEYS = ("version", "sdist_url", "sdist_sha256", "git_url", "git_ref", "git_commit")
@@ -200,3 +200,15 @@ class Series:
             data = (self.overlay / f).read_bytes()
             h.update(b"\0overlay\0" + str(f).encode() + b"\0" + data)
         return h.hexdigest()[:16]
+
+
+def find_series() -> list[Series]:
+    """The default series (patches/) and every other release's series
+    (patches/v*/ with a base.toml), in that order."""
+    found = [Series(DEFAULT_SERIES)]
+    found += [
+        Series(d)
+        for d in sorted(DEFAULT_SERIES.glob("v*"))
+        if (d / "base.toml").is_file()
+    ]
+    return found
