@@ -287,9 +287,7 @@ def main() -> int:
         "--target", type=float, default=95.0, help="percent to kill (default 95)"
     )
     args = p.parse_args()
-    series_list = (
-        [Series(s.resolve()) for s in args.series] if args.series else find_series()
-    )
+    series_list = find_series(args.series)
     start = time.monotonic()
     lines: list[str] = ["# Mutants of the series (make mutate)", ""]
     killed = counted = 0

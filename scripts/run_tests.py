@@ -330,9 +330,7 @@ def main() -> int:
         help="skip upstream's tests (the slowest step)",
     )
     args = p.parse_args()
-    series_list = (
-        [Series(s.resolve()) for s in args.series] if args.series else find_series()
-    )
+    series_list = find_series(args.series)
     LOGS.mkdir(parents=True, exist_ok=True)
     report = Report()
     start = time.monotonic()

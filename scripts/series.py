@@ -202,9 +202,12 @@ class Series:
         return h.hexdigest()[:16]
 
 
-def find_series() -> list[Series]:
-    """The default series (patches/) and every other release's series
-    (patches/v*/ with a base.toml), in that order."""
+def find_series(dirs: list[Path] | None = None) -> list[Series]:
+    """The series in `dirs`; by default the default series (patches/) and
+    every other release's series (patches/v*/ with a base.toml), in that
+    order."""
+    if dirs:
+        return [Series(d.resolve()) for d in dirs]
     found = [Series(DEFAULT_SERIES)]
     found += [
         Series(d)

@@ -95,6 +95,9 @@ class HarnessConfig:
     kv_load_failure_policy: str | None = None
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    # Tokens one prefill chunk may take at most (0: the whole step budget),
+    # so that a prefill can leave budget for other admissions in its step.
+    long_prefill_token_threshold: int = 0
     # Steps after launch at which a transfer completes (0: in the same step).
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
 
@@ -130,6 +133,7 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=cfg.max_model_len,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             policy=cfg.policy,
             async_scheduling=False,
             is_encoder_decoder=False,

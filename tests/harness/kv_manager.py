@@ -64,8 +64,9 @@ def group_spec(kind: str, block_size: int) -> Any:
         SlidingWindowSpec,
     )
 
-    if kind == "full":
-        return FullAttentionSpec(
+    if kind in ("full", "cross"):
+        spec = FullAttentionSpec if kind == "full" else CrossAttentionSpec
+        return spec(
             block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
         )
     if kind == "swa":
@@ -75,10 +76,6 @@ def group_spec(kind: str, block_size: int) -> Any:
             head_size=1,
             dtype=torch.float32,
             sliding_window=2 * block_size,
-        )
-    if kind == "cross":
-        return CrossAttentionSpec(
-            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
         )
     if kind == "mamba_align":
         return MambaSpec(

@@ -146,12 +146,13 @@ def test_an_async_load_that_failed_whole_is_admitted_again():
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
 
 
-def engine_with_prefix_b_on_cpu(load_delay: int = 0) -> Engine:
+def engine_with_prefix_b_on_cpu(load_delay: int = 0, chunk: int = 0) -> Engine:
     e = Engine(
         HarnessConfig(
             block_size=BS,
             num_gpu_blocks=64,
             num_cpu_blocks=256,
+            long_prefill_token_threshold=chunk,
             transfer_delay=lambda is_store: 0 if is_store else load_delay,
         )
     )
@@ -168,10 +169,12 @@ LOAD_B = PREFIX_B + [5] * (4 * BS)
 def test_an_async_load_waits_for_an_inflight_chunked_prefill():
     """A chunked prefill in flight still needs its blocks: an async load that
     would take them waits (upstream's design: "avoid deadlock and
-    predictable preemptions"). After A's first chunk 55 blocks are free and
-    A needs 32 more; B's load of 24 would leave 31. Admitted, and slow to
-    land, it takes the blocks A's next chunks need, and A is preempted."""
-    e = engine_with_prefix_b_on_cpu(load_delay=10)
+    predictable preemptions"). A's chunks are 4 blocks, half the step's
+    budget, so B is looked at while A prefills. After A's first chunk 59
+    blocks are free and A needs 36 more; B's load of 24 would leave 35.
+    Admitted, and slow to land, it takes the blocks A's next chunks need,
+    and A is preempted."""
+    e = engine_with_prefix_b_on_cpu(load_delay=10, chunk=4 * BS)
     a = e.add_request([8000 + t for t in range(40 * BS)], max_tokens=2)
     e.step()
     assert e.requests[a].num_computed_tokens > 0
