@@ -262,8 +262,16 @@ class Violation:
 class FakeModelRunner:
     """Block tables from the scheduler output; KV as content tags."""
 
-    def __init__(self, cfg: HarnessConfig, kv: FakeKV, requests: dict[str, Request]):
+    def __init__(
+        self,
+        cfg: HarnessConfig,
+        kv: FakeKV,
+        requests: dict[str, Request],
+        write: Callable[[int, Any], None],
+    ):
+        """`write(block_id, tag)` writes KV on the compute stream."""
         self.cfg, self.kv, self.requests = cfg, kv, requests
+        self.write = write
         self.oracle = ContentOracle(cfg.block_size)
         self.tables: dict[str, list[list[int]]] = {}
         self.violations: list[Violation] = []
@@ -320,8 +328,8 @@ class FakeModelRunner:
                 for i in range(c // bs, (c + n - 1) // bs + 1):
                     bid = table[g][i]
                     if bid != NULL_BLOCK_ID:
-                        self.kv.gpu[bid] = self.oracle.tag(
-                            req, g, i, min(bs, c + n - i * bs)
+                        self.write(
+                            bid, self.oracle.tag(req, g, i, min(bs, c + n - i * bs))
                         )
             req_ids.append(req_id)
             done_prefill = c + n >= req.num_tokens
@@ -364,7 +372,6 @@ class Engine:
         self.kv = FakeKV()
         self.stats = StepStats()
         self.requests: dict[str, Request] = {}
-        self.runner = FakeModelRunner(self.cfg, self.kv, self.requests)
         self.block_hasher = get_request_block_hasher(self.cfg.block_size, sha256)
         self.cuda = FakeCuda(
             self.kv.gpu,
@@ -373,6 +380,9 @@ class Engine:
             self.cfg.num_cpu_blocks,
             clock=lambda: self.stats.steps,
             delay=self.cfg.transfer_delay,
+        )
+        self.runner = FakeModelRunner(
+            self.cfg, self.kv, self.requests, self.cuda.compute_write
         )
         self.copy_backend: CopyEngine | None = None
         self.worker: SimpleCPUOffloadWorker | None = None
@@ -479,6 +489,7 @@ class Engine:
                     **({"invalid_block_ids": invalid} if invalid else {}),
                 )
                 w.clear_connector_metadata()
+        self.cuda.host_sync()
         self.stats.steps += 1
         start = time.perf_counter()
         engine_outputs = self.scheduler.update_from_output(so, out)

@@ -12,6 +12,17 @@ things. Only what needs a GPU is replaced, and only inside `FakeCuda.active()`:
   each copy with the srcAccessOrder the release passed and the compute events
   its stream was told to wait for.
 
+Order within a step is seen, as a GPU would: every KV write of the fake
+runner, event record and copy gets a sequence number. A forward's KV writes
+are asynchronous: with async scheduling the host knows a step's writes done
+only when it reads that step's sampled tokens, a step later (`host_sync`).
+A store that reads a block written since then sees the write only if its
+stream waited for a compute event recorded after it and it reads in stream
+order (STREAM); ANY may read before the stream's waits. Otherwise it copies
+`Stale` KV, and a block written again while a copy of it is in flight
+copies `Torn` KV: content checks catch either by value, whatever the
+structure of the code.
+
 Copies move content tags between the fake KV caches when an event recorded
 after them completes, some steps after launch (`delay`), so a block reused
 or read before its transfer completes is caught by value. What the checks
@@ -41,10 +52,29 @@ _handles = itertools.count(1)
 
 @dataclass(frozen=True)
 class Mark:
-    """Where an event was recorded: a stream, at a harness step."""
+    """Where an event was recorded: a stream, at a harness step, after the
+    operations numbered below `seq`."""
 
     stream: str
     step: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class Stale:
+    """What a copy read from a GPU block whose last write it was not ordered
+    after: the KV before that write, never a block's right content."""
+
+    block: int
+    write_seq: int
+
+
+@dataclass(frozen=True)
+class Torn:
+    """What a copy read from a GPU block written again while it was in
+    flight."""
+
+    block: int
 
 
 @dataclass
@@ -57,7 +87,21 @@ class CopyRecord:
     src_access_order: str | None
     # Events the copy stream waited for before this copy was issued.
     waited: list[Mark]
+    # Sequence numbers: when the copy was issued, the host's last sync
+    # before that, and the last compute write before it.
+    issued: int = 0
+    synced: int = 0
+    last_compute_write: int = 0
     done: bool = False
+
+    def sees(self, write_seq: int) -> bool:
+        """Is a compute write (by its sequence number) ordered before this
+        copy's read of its source?"""
+        if write_seq < self.synced:
+            return True
+        return self.src_access_order == "STREAM" and any(
+            m.stream == "compute" and m.seq > write_seq for m in self.waited
+        )
 
 
 class FakeStream:
@@ -96,7 +140,7 @@ class FakeEvent:
         cuda = FakeCuda.current()
         stream = stream or cuda.compute
         self._cuda = cuda
-        self.mark = Mark(stream.name, cuda.clock())
+        self.mark = Mark(stream.name, cuda.clock(), cuda.tick())
         self._copies = [c for c in stream.copies if not c.done]
         if stream is not cuda.compute:
             ready = cuda.clock() + cuda.delay(stream is cuda.store)
@@ -140,6 +184,26 @@ class FakeCuda:
             "cpu": torch.zeros(num_cpu_blocks, 1, dtype=torch.uint8),
         }
         self.copies: list[CopyRecord] = []
+        self._seq = itertools.count(1)
+        self.synced = self._step_end = 0
+        # GPU block -> sequence number of its last compute write.
+        self.last_write: dict[int, int] = {}
+        self.last_compute_write = 0
+
+    def tick(self) -> int:
+        return next(self._seq)
+
+    def compute_write(self, block: int, tag: Any) -> None:
+        """The forward writes KV into a GPU block, on the compute stream."""
+        self.kv["gpu"][block] = tag
+        self.last_write[block] = self.last_compute_write = self.tick()
+
+    def host_sync(self) -> None:
+        """A step ends. With async scheduling the host runs one step ahead:
+        it waits for the previous step's sampled tokens while this step's
+        forward may still run, so only the previous step's writes are known
+        done."""
+        self.synced, self._step_end = self._step_end, self.tick()
 
     @classmethod
     def current(cls) -> FakeCuda:
@@ -180,6 +244,9 @@ class FakeCuda:
             pairs=[(s, d) for (_, s), (_, d) in zip(src, dst, strict=True)],
             src_access_order=None if order is None else SRC_ACCESS_ORDER[order],
             waited=list(stream.waited),
+            issued=self.tick(),
+            synced=self.synced,
+            last_compute_write=self.last_compute_write,
         )
         stream.copies.append(record)
         self.copies.append(record)
@@ -195,7 +262,16 @@ class FakeCuda:
                     else (self.kv["cpu"], self.kv["gpu"])
                 )
                 for s, d in c.pairs:
-                    dst[d] = src.get(s)
+                    dst[d] = self._read(c, s) if c.is_store else src.get(s)
+
+    def _read(self, c: CopyRecord, block: int) -> Any:
+        """What a store read from a GPU block (see the module's docstring)."""
+        written = self.last_write.get(block, 0)
+        if written > c.issued:
+            return Torn(block)
+        if written and not c.sees(written):
+            return Stale(block, written)
+        return self.kv["gpu"].get(block)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

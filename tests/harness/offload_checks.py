@@ -60,10 +60,10 @@ def lost_or_wrong_cpu_blocks(e: Engine, req_ids: list[str]) -> list[str]:
 def unordered_transfers(e: Engine) -> list[str]:
     """Launched copies that break the store barrier's contract, as the copy
     driver saw them: a store must be issued on a stream that waited for an
-    event recorded on the compute stream after this step's compute, and
-    read its source in stream order (STREAM), else the DMA may read KV the
-    compute has not written yet; a load reads stable pinned host memory and
-    needs neither (no wait, ANY)."""
+    event recorded on the compute stream after the last compute write
+    before it, and read its source in stream order (STREAM), else the DMA
+    may read KV the compute has not written yet; a load reads stable pinned
+    host memory and needs neither (no wait, ANY)."""
     problems = []
     for x in e.copy_backend.launched:
         kind = "store" if x["is_store"] else "load"
@@ -71,7 +71,7 @@ def unordered_transfers(e: Engine) -> list[str]:
             problems.append(f"{kind} {x['event_idx']}: no copy reached the driver")
         for c in x["copies"]:
             after_compute = any(
-                m.stream == "compute" and m.step >= x["step"] for m in c.waited
+                m.stream == "compute" and m.seq > c.last_compute_write for m in c.waited
             )
             got = (after_compute, c.src_access_order)
             want = (True, "STREAM") if x["is_store"] else (False, "ANY")

@@ -18,6 +18,8 @@ counted stale or not.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ from harness.engine import (
     make_kv_cache_config,
     make_vllm_config,
 )
-from harness.offload_checks import unordered_transfers
+from harness.offload_checks import lost_or_wrong_cpu_blocks, unordered_transfers
 
 BS = 16
 PROMPT = list(range(100, 200))
@@ -49,9 +51,24 @@ def test_store_waits_for_compute_load_does_not():
     assert e.runner.violations == []
 
 
+def test_stores_copy_what_the_forward_wrote():
+    """By content alone: every block stored holds what the forward wrote.
+    The fake device only shows a store the forward's writes of its step if
+    the store is ordered after them (harness.fake_cuda), so a store issued
+    without a wait, with one on an event recorded before the forward, or
+    reading out of stream order copies Stale KV."""
+    cfg = HarnessConfig(block_size=BS, num_gpu_blocks=32, num_cpu_blocks=32)
+    e = Engine(cfg)
+    req_id = e.add_request(PROMPT, max_tokens=3)
+    e.run()
+    assert e.copy_backend.launched
+    assert lost_or_wrong_cpu_blocks(e, [req_id]) == []
+
+
 # --- on a GPU: the race, both ways --------------------------------------------
 
 ITERATIONS = 100
+STORE_DEADLINE_S = 60
 # About 10 ms of GPU time: far longer than it takes to launch the store.
 SLEEP_CYCLES = 20_000_000
 BLOCK_BYTES = 1 << 20
@@ -73,9 +90,16 @@ def make_gpu_worker(monkeypatch: pytest.MonkeyPatch):
 
 
 def wait_for_store(worker, event_idx: int) -> None:
-    """Poll the worker as the engine does until the store reports done."""
+    """Poll the worker as the engine does until the store reports done.
+    A store takes milliseconds; one not done in a minute never will be."""
+    deadline = time.monotonic() + STORE_DEADLINE_S
     while True:
         assert worker._backend._thread.is_alive(), "the copy thread died"
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"store event {event_idx} not reported done after "
+                f"{STORE_DEADLINE_S} s: the copy or its event never completed"
+            )
         worker.get_finished(set())
         meta = worker.build_connector_worker_meta()
         if meta is not None and event_idx in meta.completed_store_events:
@@ -83,9 +107,17 @@ def wait_for_store(worker, event_idx: int) -> None:
 
 
 def count_stale_stores(worker, gpu, cpu, barrier: bool, first_event: int) -> int:
-    from vllm.v1.simple_kv_offload.cuda_mem_ops import SrcAccessOrder
+    from vllm.v1.simple_kv_offload.cuda_mem_ops import SrcAccessOrder, build_params
     from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadMetadata
 
+    backend = worker._backend
+    # The base's store params: the source read in any order.
+    any_order = build_params(
+        worker.gpu_kv_caches,
+        worker.cpu_kv_caches,
+        backend._store_stream,
+        SrcAccessOrder.ANY,
+    )
     stale = 0
     for i in range(ITERATIONS):
         event_idx, value = first_event + i, i % 250 + 1
@@ -98,19 +130,23 @@ def count_stale_stores(worker, gpu, cpu, barrier: bool, first_event: int) -> int
                     store_event=event_idx, store_gpu_blocks=[1], store_cpu_blocks=[1]
                 )
             )
-            worker.get_finished(set())
+            worker.wait_for_save()  # where releases from 0.30 store
+            worker.get_finished(set())  # where earlier ones do
             worker.clear_connector_metadata()
         else:  # the base's store: no wait, source read in any order
             worker._pending_store_event_indices.add(event_idx)
-            worker._backend.launch_copy(
-                [1],
-                [1],
-                is_store=True,
-                event_idx=event_idx,
-                events_list=worker._store_events,
-                wait_event=None,
-                src_access_order=SrcAccessOrder.ANY,
-            )
+            store_params = backend._store_params
+            backend._store_params = any_order
+            try:
+                backend.launch_copy(
+                    [1],
+                    [1],
+                    is_store=True,
+                    event_idx=event_idx,
+                    events_list=worker._store_events,
+                )
+            finally:
+                backend._store_params = store_params
         wait_for_store(worker, event_idx)
         torch.cuda.synchronize()
         stale += bool((cpu[1] != value).any())
