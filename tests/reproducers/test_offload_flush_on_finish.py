@@ -102,3 +102,22 @@ def test_aborted_request_flushes_confirmed_blocks_only():
     assert req.num_computed_tokens == 2 * BS
     assert lost_or_wrong_cpu_blocks(e, [a]) == []
     assert_all_released(e)
+
+
+def test_a_block_being_flushed_is_not_stored_again():
+    """A flush joins the step's store event. A request that shares the
+    flushed block (a GPU prefix hit) must not store it again in the same
+    event: the CPU would hold the block twice, one copy unreachable."""
+    e = engine()
+    a = e.add_request(PROMPT, max_tokens=1)
+    e.step()
+    e.step()
+    assert e.stats.finished == {a}, "finished with its second block"
+    # B hits both blocks on the GPU in the step the flush is launched.
+    e.add_request(EXTENDED, max_tokens=1)
+    e.run()
+    stores = [x for x in e.copy_backend.launched if x["is_store"]]
+    stored = [gpu for x in stores for gpu, _ in x["pairs"]]
+    assert len(stored) == len(set(stored)), f"GPU blocks stored: {stored}"
+    assert lost_or_wrong_cpu_blocks(e, [a]) == []
+    assert_all_released(e)

@@ -26,7 +26,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from harness.invariants import assert_manager_ok
-from harness.kv_manager import computed_blocks, make_kv_cache_manager
+from harness.kv_manager import (
+    computed_blocks,
+    make_kv_cache_manager,
+    make_layout_manager,
+)
 
 BS = 16
 init_none_hash(sha256)
@@ -99,3 +103,23 @@ def test_external_tokens_do_not_take_another_groups_prefix_hit():
         "sliding window hit"
     )
     assert_manager_ok(manager)
+
+
+def test_cross_attention_takes_no_blocks_for_external_tokens():
+    """Encoder-decoder with a connector: external tokens are decoder KV.
+    The cross-attention group holds the encoder's blocks only, as on the
+    base, whichever step the coordinator splits allocation into."""
+    manager = make_layout_manager(("full", "cross"), 64, BS, max_model_len=4096)
+    req = make_request("enc-dec", list(range(6 * BS)))
+    blocks = manager.allocate_slots(
+        req,
+        BS,
+        num_external_computed_tokens=4 * BS,
+        delay_cache_blocks=True,
+        num_encoder_tokens=2 * BS,
+    )
+    assert blocks is not None
+    full, cross = (len(ids) for ids in manager.get_block_ids(req.request_id))
+    assert (full, cross) == (5, 2)
+    manager.free(req)
+    assert_manager_ok(manager, all_done=True)

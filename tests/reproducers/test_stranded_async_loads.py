@@ -146,13 +146,35 @@ def test_an_async_load_that_failed_whole_is_admitted_again():
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
 
 
-def engine_with_prefix_b_on_cpu(load_delay: int = 0, chunk: int = 0) -> Engine:
+def check_inflight_prefills(e: Engine) -> None:
+    """after_step: the scheduler's in-flight prefills (0008's, and upstream's
+    from 0.24.0) are requests still prefilling: loading, waiting to be
+    scheduled after their load, or running a prefill chunk that does not
+    end the prompt. A request that is done prefilling, preempted or
+    finished would reserve blocks it does not need."""
+    for req in getattr(e.scheduler, "_inflight_prefills", ()):
+        prefilling = req.status == RequestStatus.RUNNING and req.is_prefill_chunk
+        waiting = req.status in (
+            RequestStatus.WAITING_FOR_REMOTE_KVS,
+            RequestStatus.WAITING,
+        )
+        assert prefilling or waiting, (
+            f"step {e.stats.steps}: {req.request_id} is in flight but "
+            f"{req.status.name}, {req.num_computed_tokens} of "
+            f"{req.num_tokens} tokens computed"
+        )
+
+
+def engine_with_prefix_b_on_cpu(
+    load_delay: int = 0, chunk: int = 0, policy: str = "fcfs"
+) -> Engine:
     e = Engine(
         HarnessConfig(
             block_size=BS,
             num_gpu_blocks=64,
             num_cpu_blocks=256,
             long_prefill_token_threshold=chunk,
+            policy=policy,
             transfer_delay=lambda is_store: 0 if is_store else load_delay,
         )
     )
@@ -179,7 +201,7 @@ def test_an_async_load_waits_for_an_inflight_chunked_prefill():
     e.step()
     assert e.requests[a].num_computed_tokens > 0
     b = e.add_request(LOAD_B + [6] * (6 * BS), max_tokens=2)
-    e.run(max_steps=300)
+    e.run(max_steps=300, after_step=check_inflight_prefills)
     assert {a, b} <= e.stats.finished
     assert e.stats.preemptions == 0
     loads = [x for x in e.copy_backend.launched if not x["is_store"]]
@@ -203,5 +225,29 @@ def test_an_aborted_prefill_reserves_nothing():
     except AssertionError as exc:
         pytest.fail(f"the scheduler is stuck: {exc}")
     assert b in e.stats.finished
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_a_preempted_prefill_reserves_nothing():
+    """A request preempted mid-prefill gives its blocks back and leaves the
+    in-flight prefills until it is scheduled again. Priority scheduling
+    puts a load ahead of it: A (priority 1, 40 blocks) and D (priority 0,
+    30 blocks) prefill in chunks until the pool is full and A, the lower
+    priority, is preempted with 35 blocks free; C (priority 0) then loads a
+    30-block prompt. (Kept in flight, A's 40 blocks would refuse C forever,
+    and with C refused nothing behind it is looked at.)"""
+    e = engine_with_prefix_b_on_cpu(chunk=4 * BS, policy="priority")
+    a = e.add_request([8000 + t for t in range(40 * BS)], max_tokens=2, priority=1)
+    e.step()
+    e.add_request([6000 + t for t in range(30 * BS)], max_tokens=2)
+    while not e.stats.preemptions:
+        assert e.stats.steps < 100, "A was never preempted"
+        e.step()
+        check_inflight_prefills(e)
+    assert e.scheduler.requests[a].status == RequestStatus.PREEMPTED
+    c = e.add_request(LOAD_B + [6] * (6 * BS), max_tokens=2)
+    e.run(max_steps=300, after_step=check_inflight_prefills)
+    assert {a, c} <= e.stats.finished
     assert e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
