@@ -69,7 +69,7 @@ matrix: ## patches and reproducers on releases 0.19.0 .. 0.33.0 (.work/matrix/)
 bench: ## allocator speed: unpatched base against the series, side by side
 	$(PYTHON) scripts/bench.py --series $(SERIES)
 
-mutate: ## every hunk of every series reverted alone must fail a test (.work/mutate/)
+mutate: ## hunk reverts and operator mutants of every series must fail a test (.work/mutate/)
 	$(PYTHON) scripts/mutate.py $(ARGS)
 
 differential: ## the differential oracle: base and series step by step on generated traces (ARGS=--seeds N)

@@ -11,13 +11,15 @@ fails. A hunk whose revert leaves the code's syntax tree unchanged
 EQUIVALENT, with the reason it cannot change behaviour. A hunk that a later
 patch rewrote does not revert alone: it is reported as not separable.
 
+Then the operator mutants of the lines the series wrote (a condition
+negated or loosened, a boundary moved by one, a loop that never runs), made
+by Cosmic Ray and run against the same suite: see mutate_operators.py.
+
 Two mutants run at once (one git worktree each). Writes .work/mutate/
 mutate.md: per patch, killed / survived / equivalent / not separable, and
 each survivor's diff. The last line: `N of M mutants killed (P%)`,
-equivalent and not separable ones excluded. Exits non-zero below --target.
-
-Only whole-hunk reverts so far; operator mutations of single lines (a
-condition weakened, a call dropped) are for a mutation tool to add.
+equivalent, not separable and incompetent ones excluded. Exits non-zero
+below --target.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from common import (
     rel,
     run,
 )
+from mutate_operators import OperatorMutant, run_operator_mutants
 from series import Series, find_series
 from testenv import tree_env
 from venv import series_venv
@@ -193,7 +196,9 @@ def try_one(hunk: Hunk, worktree: Path, python: Path, tests: list[str]) -> Outco
         target.write_text(before)
 
 
-def mutate_series(series: Series, jobs: int) -> tuple[list[Outcome], list[str]]:
+def mutate_series(
+    series: Series, jobs: int, kinds: set[str]
+) -> tuple[list[Outcome], list[OperatorMutant], list[str]]:
     version = series.base().version
     tree = WORK / f"v{version}" / "series"
     checkout_base(series, WORK / f"v{version}" / "base")
@@ -215,6 +220,7 @@ def mutate_series(series: Series, jobs: int) -> tuple[list[Outcome], list[str]]:
         git(tree, "worktree", "add", "--detach", "--force", str(wt), "HEAD")
         worktrees.append(wt)
     outcomes: list[Outcome] = []
+    operators: list[OperatorMutant] = []
     free = list(worktrees)
     try:
         with ThreadPoolExecutor(jobs) as pool:
@@ -226,22 +232,66 @@ def mutate_series(series: Series, jobs: int) -> tuple[list[Outcome], list[str]]:
                 finally:
                     free.append(wt)
 
-            for n, outcome in enumerate(pool.map(one, hunks), 1):
+            todo = hunks if "hunks" in kinds else []
+            for n, outcome in enumerate(pool.map(one, todo), 1):
                 outcomes.append(outcome)
                 print(
                     f"    [{n}/{len(hunks)}] {outcome.state:13} "
                     f"{outcome.hunk.patch[:48]}: {outcome.hunk.name}",
                     file=sys.stderr,
                 )
+        if "operators" in kinds:
+            print(f"==> operator mutants of {rel(series.dir)}", file=sys.stderr)
+            operators = run_operator_mutants(
+                tree, series.base().tag, worktrees, python, tests, work
+            )
     finally:
         for wt in worktrees:
             run(["git", "-C", tree, "worktree", "remove", "--force", wt], check=False)
-    return outcomes, report(version, outcomes)
+    return outcomes, operators, report(version, outcomes, operators)
 
 
-def report(version: str, outcomes: list[Outcome]) -> list[str]:
-    lines = [
+def report(
+    version: str, outcomes: list[Outcome], operators: list[OperatorMutant]
+) -> list[str]:
+    return [
         f"## vLLM {version}",
+        "",
+        *hunk_report(outcomes),
+        "",
+        *operator_report(operators),
+    ]
+
+
+def operator_report(operators: list[OperatorMutant]) -> list[str]:
+    states = ("killed", "survived", "equivalent", "incompetent")
+    lines = [
+        "### Operator mutants (Cosmic Ray)",
+        "",
+        "| patch | mutants | " + " | ".join(states) + " |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for patch in dict.fromkeys(m.patch for m in operators):
+        mine = [m for m in operators if m.patch == patch]
+        counts = " | ".join(str(sum(m.state == s for m in mine)) for s in states)
+        lines.append(f"| {patch} | {len(mine)} | {counts} |")
+    for m in operators:
+        if m.state == "survived":
+            lines += ["", f"Survived: {m.patch}, {m.name}", "```diff"]
+            body = m.diff.splitlines()
+            lines += [d for d in body if not d.startswith(("---", "+++"))]
+            lines.append("```")
+    for state in ("equivalent", "incompetent"):
+        listed = [m for m in operators if m.state == state]
+        if listed:
+            lines += ["", f"{state.capitalize()}:"]
+            lines += [f"- {m.patch}, {m.name}: {m.detail}" for m in listed]
+    return lines
+
+
+def hunk_report(outcomes: list[Outcome]) -> list[str]:
+    lines = [
+        "### Hunks reverted alone",
         "",
         "| patch | hunks | killed | survived | equivalent | not separable |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -284,19 +334,29 @@ def main() -> int:
     )
     p.add_argument("--jobs", type=int, default=2, help="mutants at once (default 2)")
     p.add_argument(
+        "--kinds",
+        default="hunks,operators",
+        help="hunks (each hunk reverted), operators (Cosmic Ray's operator "
+        "mutants of the series' lines), or both (default)",
+    )
+    p.add_argument(
         "--target", type=float, default=95.0, help="percent to kill (default 95)"
     )
     args = p.parse_args()
     series_list = find_series(args.series)
+    kinds = set(args.kinds.split(","))
+    if not kinds or not kinds <= {"hunks", "operators"}:
+        raise ForkError(f"--kinds: hunks and/or operators, not {args.kinds!r}")
     start = time.monotonic()
     lines: list[str] = ["# Mutants of the series (make mutate)", ""]
     killed = counted = 0
     for series in series_list:
         print(f"==> hunks of {rel(series.dir)}", file=sys.stderr)
-        outcomes, part = mutate_series(series, args.jobs)
+        outcomes, operators, part = mutate_series(series, args.jobs, kinds)
         lines += [*part, ""]
-        killed += sum(o.state == "killed" for o in outcomes)
-        counted += sum(o.state in ("killed", "survived") for o in outcomes)
+        states = [o.state for o in outcomes] + [m.state for m in operators]
+        killed += states.count("killed")
+        counted += states.count("killed") + states.count("survived")
     if not counted:
         raise ForkError("no mutant ran")
     percent = 100 * killed / counted

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import differential as differential_oracle
-
 from apply import apply_series, checkout_base
 from common import (
     ROOT,

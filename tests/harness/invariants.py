@@ -166,6 +166,32 @@ def assert_manager_ok(
     assert not problems, f"{label} is inconsistent:\n  " + "\n  ".join(problems)
 
 
+# Per-request state a Mamba group in "align" mode keeps beside its block
+# table (names vary by release; those a release lacks are skipped).
+MAMBA_ALIGN_STATE = (
+    "last_state_block_idx",
+    "_num_retired_blocks",
+    "_allocated_block_reqs",
+    "_checkpoints",
+    "_producer_partial_tail_reqs",
+    "cached_blocks_this_step",
+    "_pending_boundary_state_offloads",
+)
+
+
+def plain(value: Any) -> Any:
+    """A comparable copy: blocks by id, sets sorted, containers copied."""
+    if hasattr(value, "block_id") and hasattr(value, "ref_cnt"):
+        return ("block", value.block_id)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted((plain(v) for v in value), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
 def manager_snapshot(kv_cache_manager: Any) -> dict[str, Any]:
     """What a refused allocation must leave as it was.
 
@@ -187,6 +213,11 @@ def manager_snapshot(kv_cache_manager: Any) -> dict[str, Any]:
                 },
                 "num_cached_block": dict(m.num_cached_block),
                 "new_block_ids": list(m.new_block_ids),
+                **{
+                    name: plain(getattr(m, name))
+                    for name in MAMBA_ALIGN_STATE
+                    if hasattr(m, name)
+                },
             }
             for m in managers
         ],

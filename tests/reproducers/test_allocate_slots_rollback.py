@@ -32,7 +32,13 @@ BS = 16
 init_none_hash(sha256)
 HASHER = get_request_block_hasher(BS, sha256)
 
-LAYOUTS = [("full",), ("full", "swa"), ("swa", "full"), ("full", "mamba_align")]
+LAYOUTS = [
+    ("full",),
+    ("full", "swa"),
+    ("swa", "full"),
+    ("full", "mamba_align"),
+    ("mamba_align", "full"),
+]
 
 
 def make_manager(layout: tuple[str, ...], num_blocks: int) -> KVCacheManager:

@@ -1,8 +1,14 @@
-"""make mutate's parts that need no vLLM: what counts as a code change."""
+"""make mutate's parts that need no vLLM: what counts as a code change,
+which patch wrote a line, which operators make mutants."""
 
 from __future__ import annotations
 
+import re
+
+from conftest import git
+
 from mutate import code_of
+from mutate_operators import EXCLUDED_OPERATORS, blame
 
 BEFORE = '''
 def f(x: int) -> int:
@@ -23,3 +29,50 @@ def test_a_changed_expression_is_code():
     assert code_of(BEFORE) != code_of(
         'def f(x: int) -> int:\n    """Twice x."""\n    return 2 * x\n    pass\n'
     )
+
+
+def test_blame_names_the_patch_that_wrote_each_line(tmp_path):
+    repo = tmp_path / "tree"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    f = repo / "m.py"
+    f.write_text("a = 1\nb = 2\nc = 3\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "Import upstream")
+    git(repo, "update-ref", "refs/remotes/upstream/v1", "HEAD")
+    f.write_text("a = 1\nb = 20\nc = 3\n")
+    git(repo, "commit", "-qam", "[Core] first patch")
+    f.write_text("a = 1\nb = 20\nc = 3\nd = 4\n")
+    git(repo, "commit", "-qam", "[Core] second patch")
+    assert blame(repo, "upstream/v1", "m.py") == {
+        2: "[Core] first patch",
+        4: "[Core] second patch",
+    }
+
+
+def excluded(name: str) -> bool:
+    """cr-filter-operators' own test of an operator against the list."""
+    pattern = re.compile("|".join(f"(:?{e})" for e in EXCLUDED_OPERATORS))
+    return pattern.match(name) is not None
+
+
+def test_operators_kept_negate_loosen_or_move_by_one():
+    kept = [
+        "core/AddNot",
+        "core/ReplaceUnaryOperator_Delete_Not",
+        "core/ReplaceComparisonOperator_Gt_GtE",
+        "core/ReplaceComparisonOperator_Eq_NotEq",
+        "core/ReplaceComparisonOperator_IsNot_Is",
+        "core/ReplaceBinaryOperator_Add_Sub",
+        "core/NumberReplacer",
+        "core/ZeroIterationForLoop",
+    ]
+    dropped = [
+        "core/ReplaceBinaryOperator_Add_Pow",
+        "core/ReplaceBinaryOperator_Add_Sub2",
+        "core/ReplaceComparisonOperator_Gt_Eq",
+        "core/ReplaceComparisonOperator_Eq_Is",
+        "core/ReplaceUnaryOperator_USub_Invert",
+    ]
+    assert [n for n in kept if excluded(n)] == []
+    assert [n for n in dropped if not excluded(n)] == []
