@@ -14,14 +14,16 @@ things. Only what needs a GPU is replaced, and only inside `FakeCuda.active()`:
 
 Order within a step is seen, as a GPU would: every KV write of the fake
 runner, event record and copy gets a sequence number. A forward's KV writes
-are asynchronous: with async scheduling the host knows a step's writes done
-only when it reads that step's sampled tokens, a step later (`host_sync`).
-A store that reads a block written since then sees the write only if its
-stream waited for a compute event recorded after it and it reads in stream
-order (STREAM); ANY may read before the stream's waits. Otherwise it copies
-`Stale` KV, and a block written again while a copy of it is in flight
-copies `Torn` KV: content checks catch either by value, whatever the
-structure of the code.
+are asynchronous: the host knows them done only at the step's end, when the
+sampler copies the step's tokens to it (`host_sync`; the harness schedules
+synchronously). A store that reads a block written since then sees the
+write only if its stream waited for a compute event recorded after it and
+it reads in stream order (STREAM); ANY may read before the stream's waits.
+Otherwise it copies `Stale` KV, and a block written again while a copy of
+it is in flight copies `Torn` KV: content checks catch either by value,
+whatever the structure of the code. Such a store is real: a request that
+hits, as a prefix, a block another request computes in the same step has
+it stored in that step. Loads are not checked this way.
 
 Copies move content tags between the fake KV caches when an event recorded
 after them completes, some steps after launch (`delay`), so a block reused
@@ -185,7 +187,7 @@ class FakeCuda:
         }
         self.copies: list[CopyRecord] = []
         self._seq = itertools.count(1)
-        self.synced = self._step_end = 0
+        self.synced = 0
         # GPU block -> sequence number of its last compute write.
         self.last_write: dict[int, int] = {}
         self.last_compute_write = 0
@@ -199,11 +201,9 @@ class FakeCuda:
         self.last_write[block] = self.last_compute_write = self.tick()
 
     def host_sync(self) -> None:
-        """A step ends. With async scheduling the host runs one step ahead:
-        it waits for the previous step's sampled tokens while this step's
-        forward may still run, so only the previous step's writes are known
-        done."""
-        self.synced, self._step_end = self._step_end, self.tick()
+        """The host waited for the step's sampled tokens: the compute
+        stream's writes so far are done."""
+        self.synced = self.tick()
 
     @classmethod
     def current(cls) -> FakeCuda:

@@ -76,12 +76,27 @@ def test_store_reading_in_any_order_ignores_its_wait(cuda):
 
 def test_without_a_wait_only_writes_the_host_saw_done_are_read(cuda):
     cuda.compute_write(BLOCK, "kv")
-    cuda.host_sync()  # this step ends; its forward may still run
     store(cuda, ANY)
     assert isinstance(finish(cuda), Stale)
-    cuda.host_sync()  # the next one ends: the host read the first's tokens
+    cuda.host_sync()  # the step ends: the host read its sampled tokens
     store(cuda, ANY)
     assert finish(cuda) == "kv"
+
+
+def test_a_wait_on_an_event_never_recorded_orders_nothing(cuda):
+    cuda.compute_write(BLOCK, "kv")
+    cuda.store.wait_event(FakeEvent())
+    store(cuda, STREAM)
+    assert isinstance(finish(cuda), Stale)
+
+
+def test_a_wait_sees_the_record_before_it_not_a_later_one(cuda):
+    event = compute_event()
+    cuda.store.wait_event(event)
+    cuda.compute_write(BLOCK, "kv")
+    event.record()  # too late: the stream waited for the first record
+    store(cuda, STREAM)
+    assert isinstance(finish(cuda), Stale)
 
 
 def test_a_block_written_while_its_store_is_in_flight_is_torn(cuda):

@@ -53,16 +53,22 @@ def test_store_waits_for_compute_load_does_not():
 
 def test_stores_copy_what_the_forward_wrote():
     """By content alone: every block stored holds what the forward wrote.
-    The fake device only shows a store the forward's writes of its step if
-    the store is ordered after them (harness.fake_cuda), so a store issued
-    without a wait, with one on an event recorded before the forward, or
-    reading out of stream order copies Stale KV."""
+    B, admitted in the step A's prompt is computed, hits A's blocks as its
+    prefix: they count as computed for B, and eager offload stores them in
+    that very step, while the forward still writes them. The fake device
+    (harness.fake_cuda) shows a store a write of its own step only if the
+    store is ordered after it, so a store issued without a wait, with one
+    on an event recorded before the forward, or reading out of stream order
+    copies Stale KV."""
     cfg = HarnessConfig(block_size=BS, num_gpu_blocks=32, num_cpu_blocks=32)
     e = Engine(cfg)
-    req_id = e.add_request(PROMPT, max_tokens=3)
+    a = e.add_request(PROMPT, max_tokens=3)
+    b = e.add_request(PROMPT[: 6 * BS] + [7, 8, 9], max_tokens=3)
+    so = e.step()
+    assert {a, b} <= set(so.num_scheduled_tokens), "both run in the first step"
+    assert so.kv_connector_metadata.store_gpu_blocks, "stored in that step"
     e.run()
-    assert e.copy_backend.launched
-    assert lost_or_wrong_cpu_blocks(e, [req_id]) == []
+    assert lost_or_wrong_cpu_blocks(e, [a, b]) == []
 
 
 # --- on a GPU: the race, both ways --------------------------------------------
