@@ -197,7 +197,7 @@ def try_one(hunk: Hunk, worktree: Path, python: Path, tests: list[str]) -> Outco
 
 
 def mutate_series(
-    series: Series, jobs: int, kinds: set[str]
+    series: Series, jobs: int, kinds: set[str], rerun_survivors: bool = False
 ) -> tuple[list[Outcome], list[OperatorMutant], list[str]]:
     version = series.base().version
     tree = WORK / f"v{version}" / "series"
@@ -212,8 +212,11 @@ def mutate_series(
     tests = [*files, str(STATE_MACHINES.relative_to(ROOT))]
     hunks = hunks_of(tree, series.base().tag)
     work = OUT / f"v{version}"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    # The operator session is kept for --rerun-survivors; the rest goes.
+    for old in work.glob("worktree*"):
+        shutil.rmtree(old, ignore_errors=True)
+    run(["git", "-C", tree, "worktree", "prune"], check=False)
+    work.mkdir(parents=True, exist_ok=True)
     worktrees = []
     for i in range(jobs):
         wt = work / f"worktree{i}"
@@ -243,7 +246,7 @@ def mutate_series(
         if "operators" in kinds:
             print(f"==> operator mutants of {rel(series.dir)}", file=sys.stderr)
             operators = run_operator_mutants(
-                tree, series.base().tag, worktrees, python, tests, work
+                tree, series.base().tag, worktrees, python, tests, work, rerun_survivors
             )
     finally:
         for wt in worktrees:
@@ -342,6 +345,12 @@ def main() -> int:
     p.add_argument(
         "--target", type=float, default=95.0, help="percent to kill (default 95)"
     )
+    p.add_argument(
+        "--rerun-survivors",
+        action="store_true",
+        help="operator mutants: run again only those that survived the last "
+        "run of the same series (after adding tests)",
+    )
     args = p.parse_args()
     series_list = find_series(args.series)
     kinds = set(args.kinds.split(","))
@@ -352,7 +361,9 @@ def main() -> int:
     killed = counted = 0
     for series in series_list:
         print(f"==> hunks of {rel(series.dir)}", file=sys.stderr)
-        outcomes, operators, part = mutate_series(series, args.jobs, kinds)
+        outcomes, operators, part = mutate_series(
+            series, args.jobs, kinds, args.rerun_survivors
+        )
         lines += [*part, ""]
         states = [o.state for o in outcomes] + [m.state for m in operators]
         killed += states.count("killed")

@@ -50,7 +50,53 @@ EXCLUDED_OPERATORS = [
 ]
 # (patch subject fragment, the mutated line stripped, operator) -> why the
 # mutant cannot change behaviour.
-EQUIVALENT: dict[tuple[str, str, str], str] = {}
+CLAMP = (
+    "the clamped count is only tested for > 0 below: it is positive exactly "
+    "when some computed token is not skipped, with or without the clamp (a "
+    "window keeps the last token; all-skipped tokens are null padding and "
+    "leave no block to allocate)"
+)
+EQUIVALENT: dict[tuple[str, str, str], str] = {
+    (
+        "Pin SimpleCPUOffload CPU hits",
+        "if pin is not None and pin.num_tokens > num_external_tokens:",
+        "core/ReplaceComparisonOperator_Gt_GtE",
+    ): "equal counts returned the pin two lines above; > and >= differ only there",
+    (
+        "admit an async KV load",
+        "if num_computed_tokens + num_new_tokens < request.num_tokens:",
+        "core/ReplaceComparisonOperator_Lt_LtE",
+    ): "a request whose chunk ends its prefill would be in the set only until "
+    "_update_after_schedule at the end of the same schedule(), and it holds "
+    "the blocks of its whole prompt by then, so it reserves none meanwhile",
+    (
+        "touch every group's prefix hits",
+        "if num_skipped_tokens // self.block_size > 0:",
+        "core/ReplaceComparisonOperator_Gt_GtE",
+    ): CLAMP,
+    (
+        "touch every group's prefix hits",
+        "num_total_computed_tokens - num_skipped_tokens,",
+        "core/ReplaceBinaryOperator_Sub_Add",
+    ): CLAMP,
+    (
+        "Store the final blocks of a request",
+        "return bool(self._store_event_to_blocks or self._finish_flushes)",
+        "core/ReplaceOrWithAnd",
+    ): "0.20.2: nothing calls the connector's has_pending_stores",
+    (
+        "Store the final blocks of a request",
+        "return self._finish_request(request, (block_ids,) if block_ids else ())",
+        "core/AddNot",
+    ): "the scheduler calls request_finished_all_groups, not request_finished, "
+    "for a connector that supports HMA, as SimpleCPUOffloadConnector does",
+    (
+        "Typed KV block pool errors",
+        "if popped and popped[-1] is self.fake_free_list_tail:",
+        "core/AddNot",
+    ): "linking the fake tail back as the last popped block, then None after "
+    "it, is what the special case does (it is redundant: a follow-up)",
+}
 
 
 @dataclass
@@ -141,7 +187,12 @@ def run_operator_mutants(
     python: Path,
     tests: list[str],
     work: Path,
+    rerun_survivors: bool = False,
 ) -> list[OperatorMutant]:
+    """Run the operator mutants of the series in `tree`; with
+    `rerun_survivors`, only those that survived the last run of the same
+    series (the session is kept for this), the others keeping their result:
+    new tests can only kill more."""
     bin_dir = cosmic_ray_venv()
     files = [
         f
@@ -157,15 +208,24 @@ def run_operator_mutants(
         ]
     )
     config, session = work / "cosmic-ray.toml", work / "session.sqlite"
-    session.unlink(missing_ok=True)
+    stamp = work / "session.head"
+    head = git(tree, "rev-parse", "HEAD").strip()
     # A mutant that hangs is killed at the timeout: far above the suite's
     # own time, which the harness's step limits keep bounded.
     write_config(config, files, base_tag, command, timeout=600.0)
     home = worktrees[0]
-    run([str(bin_dir / "cosmic-ray"), "init", str(config), str(session)], cwd=home)
-    # (The two filters take their arguments in different forms.)
-    run([bin_dir / "cr-filter-git", "--config", config, session], cwd=home)
-    run([bin_dir / "cr-filter-operators", session, config], cwd=home)
+    if rerun_survivors and session.exists() and stamp.read_text() == head:
+        with sqlite3.connect(session) as db:
+            db.execute("delete from work_results where test_outcome = 'SURVIVED'")
+    else:
+        if rerun_survivors:
+            print("    no run of this series to resume: all mutants", file=sys.stderr)
+        session.unlink(missing_ok=True)
+        run([bin_dir / "cosmic-ray", "init", config, session], cwd=home)
+        # (The two filters take their arguments in different forms.)
+        run([bin_dir / "cr-filter-git", "--config", config, session], cwd=home)
+        run([bin_dir / "cr-filter-operators", session, config], cwd=home)
+        stamp.write_text(head)
     ports = [free_port() for _ in worktrees]
     set_workers(config, [f"http://127.0.0.1:{p}" for p in ports])
     workers = [

@@ -344,3 +344,18 @@ def test_a_plain_value_error_from_the_pool_still_raises(kvcached_utils):
     peer.arm(1)
     assert not schedule(manager, make_request("r0", list(range(160))), 160)
     assert_manager_ok(manager, all_done=True)
+
+
+def test_a_shortfall_by_count_is_counted_apart_from_refusals():
+    # The free count says no before anything is taken: a shortfall, the
+    # usual wait for blocks, not a refusal by the pool.
+    manager = make_manager(("full", "swa"), num_blocks=8)
+    assert (manager.num_shortfalls, manager.num_refusals) == (0, 0)
+    req = make_request("r0", list(range(16 * 12)))
+    assert not schedule(manager, req, req.num_tokens)
+    assert not schedule(manager, req, req.num_tokens)
+    assert (manager.num_shortfalls, manager.num_refusals) == (2, 0)
+    shortfall = manager.last_shortfall
+    assert shortfall.refusal is None
+    assert shortfall.num_blocks == sum(shortfall.num_blocks_per_group) > 7
+    assert_manager_ok(manager, all_done=True)

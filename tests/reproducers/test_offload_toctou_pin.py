@@ -11,6 +11,8 @@ evictions caused by other requests' stores through the real scheduler.
 
 from __future__ import annotations
 
+import pytest
+
 from harness.engine import ContentOracle, Engine, HarnessConfig
 from harness.invariants import assert_pool_ok
 from harness.kv_manager import computed_blocks
@@ -20,6 +22,7 @@ BS = 16
 PROMPT_A = list(range(100, 133))  # two full blocks and one token
 PROMPT_C = list(range(300, 333))
 PROMPT_D = list(range(500, 533))
+PROMPT_E = list(range(700, 749))  # three full blocks and one token
 
 
 def engine(num_cpu_blocks: int, num_gpu_blocks: int = 32) -> Engine:
@@ -126,3 +129,58 @@ def test_pinned_hit_is_loaded_once_the_request_is_admitted():
     assert e.runner.violations == []
     assert e.offload._pinned_cpu_hits == {}
     assert_all_released(e)
+
+
+def test_a_partial_take_loads_the_first_blocks_and_unpins_the_rest():
+    """The scheduler may allocate fewer external tokens than the hit it was
+    told (a group that needs a shorter hit): the load takes the hit's first
+    blocks after the GPU's own hits, holding one ref on each, and the pin
+    on the rest is given back. E's first block is a GPU hit, the next two
+    are on the CPU; B takes one of them."""
+    e = engine(num_cpu_blocks=8)
+    a = e.requests[run_one(e, PROMPT_E)]
+    assert e.block_pool.reset_prefix_cache()
+    run_one(e, PROMPT_E[:BS] + [1, 2, 3])  # E's first block back on the GPU
+    kvm = e.scheduler.kv_cache_manager
+    b = new_request(e, PROMPT_E, req_id="b")
+    computed, num_local = computed_blocks(kvm, b)
+    hit, _ = e.offload.get_num_new_matched_tokens(b, num_local)
+    assert (num_local, hit) == (BS, 2 * BS)
+    pinned = [cpu_block_of(e, a, i) for i in (1, 2)]
+    assert [blk.ref_cnt for blk in pinned] == [1, 1]
+
+    assert kvm.allocate_slots(
+        b,
+        0,
+        num_new_computed_tokens=num_local,
+        new_computed_blocks=computed,
+        num_external_computed_tokens=BS,
+        delay_cache_blocks=True,
+    )
+    e.offload.update_state_after_alloc(b, kvm.get_blocks("b"), BS)
+
+    load = e.offload._reqs_to_load["b"].transfer_meta
+    assert load.cpu_block_ids == [pinned[0].block_id]
+    assert load.gpu_block_ids == [kvm.get_block_ids("b")[0][1]]
+    assert [blk.ref_cnt for blk in pinned] == [1, 0], "only the load's ref"
+    assert "b" not in e.offload._pinned_cpu_hits
+    e.offload.request_finished_all_groups(b, kvm.get_block_ids("b"))
+    kvm.free(b)
+    assert_all_released(e)
+
+
+def test_a_take_of_more_than_the_hit_is_an_error_that_unpins():
+    """More external tokens than get_num_new_matched_tokens() found is a
+    caller's bug: a clear error naming both numbers, and no pin left."""
+    e = engine(num_cpu_blocks=8)
+    a = e.requests[run_one(e, PROMPT_A)]
+    assert e.block_pool.reset_prefix_cache()
+    b = new_request(e, PROMPT_A, req_id="b")
+    e.offload.get_num_new_matched_tokens(b, 0)
+    kvm = e.scheduler.kv_cache_manager
+    assert kvm.allocate_slots(
+        b, 0, num_external_computed_tokens=3 * BS, delay_cache_blocks=True
+    )
+    with pytest.raises(RuntimeError, match=f"{3 * BS} external tokens.* {2 * BS} "):
+        e.offload.update_state_after_alloc(b, kvm.get_blocks("b"), 3 * BS)
+    assert [cpu_block_of(e, a, i).ref_cnt for i in range(2)] == [0, 0]
