@@ -192,15 +192,17 @@ def run_traces(
     seeds: range,
     timeout: float = 120,
     progress: bool = True,
+    out: Path = OUT,
 ) -> tuple[list[Verdict], list[str]]:
-    """Run the traces of `seeds` on both trees; the verdicts and a report."""
+    """Run the traces of `seeds` on both trees; the verdicts and a report.
+    The workers log into `out`."""
     sys.path.insert(0, str(ROOT / "tests"))
     from harness.traces import generate
 
     start = time.monotonic()
     workers = {
         name: Worker(
-            python, tree, name, seeds.start, module="harness.trace_worker", log_dir=OUT
+            python, tree, name, seeds.start, module="harness.trace_worker", log_dir=out
         )
         for name, tree in (("base", base_tree), ("series", series_tree))
     }
@@ -273,7 +275,11 @@ def main() -> int:
     p.add_argument(
         "--timeout", type=float, default=120, help="seconds one trace may take"
     )
+    p.add_argument(
+        "--out", type=Path, default=OUT, help=f"report and logs (default {rel(OUT)})"
+    )
     args = p.parse_args()
+    out = args.out.resolve()
     series = Series(args.series.resolve())
     version = series.base().version
     base_tree = WORK / f"v{version}" / "base"
@@ -295,13 +301,19 @@ def main() -> int:
     )
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     verdicts, lines = run_traces(
-        python, base_tree, series_tree, series_effects(series), seeds, args.timeout
+        python,
+        base_tree,
+        series_tree,
+        series_effects(series),
+        seeds,
+        args.timeout,
+        out=out,
     )
     lines[0] = f"Differential oracle, vLLM {version}: {lines[0]}"
     print("\n".join(lines))
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "differential.md").write_text("\n".join(lines) + "\n")
-    print(f"\n{summary(verdicts)}; written {rel(OUT / 'differential.md')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "differential.md").write_text("\n".join(lines) + "\n")
+    print(f"\n{summary(verdicts)}; written {rel(out / 'differential.md')}")
     return 1 if any(v.kind == "FAILED" for v in verdicts) else 0
 
 

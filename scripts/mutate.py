@@ -6,8 +6,10 @@ each hunk of each patch is reverted alone on top of the whole series (the
 patched tree with just that hunk undone) and the fast suite runs against
 it: the series' reproducer files and the hypothesis state machines
 (tests/harness_tests/test_stateful.py). The mutant is killed when a test
-fails. A hunk whose revert leaves the code's syntax tree unchanged
-(comments, docstrings) is equivalent and not run; so is a hunk listed in
+fails, or, when none does, when the differential oracle finds it changing
+what the base does where no patch says so (60 traces). A hunk whose revert
+leaves the code's syntax tree unchanged (comments, docstrings) is
+equivalent and not run; so is a hunk listed in
 EQUIVALENT, with the reason it cannot change behaviour. A hunk that a later
 patch rewrote does not revert alone: it is reported as not separable.
 
@@ -48,7 +50,11 @@ from common import (
     rel,
     run,
 )
-from mutate_operators import OperatorMutant, run_operator_mutants
+from mutate_operators import (
+    OperatorMutant,
+    differential_command,
+    run_operator_mutants,
+)
 from series import Series, find_series
 from testenv import tree_env
 from venv import series_venv
@@ -154,7 +160,9 @@ def code_of(source: str) -> str:
     return ast.dump(tree)
 
 
-def try_one(hunk: Hunk, worktree: Path, python: Path, tests: list[str]) -> Outcome:
+def try_one(
+    hunk: Hunk, worktree: Path, python: Path, tests: list[str], series_dir: Path
+) -> Outcome:
     for (fragment, line), why in EQUIVALENT.items():
         changed = f"\n+{line}\n" in hunk.text or f"\n-{line}\n" in hunk.text
         if fragment in hunk.patch and changed:
@@ -188,10 +196,19 @@ def try_one(hunk: Hunk, worktree: Path, python: Path, tests: list[str]) -> Outco
             text=True,
         )
         last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-        if proc.returncode == 0:
-            return Outcome(hunk, "survived", last)
-        failed = re.findall(r"(?m)^FAILED (\S+)", proc.stdout)
-        return Outcome(hunk, "killed", failed[0] if failed else last)
+        if proc.returncode != 0:
+            failed = re.findall(r"(?m)^FAILED (\S+)", proc.stdout)
+            return Outcome(hunk, "killed", failed[0] if failed else last)
+        oracle = subprocess.run(
+            differential_command(series_dir, str(worktree), str(worktree) + ".diff"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        if oracle.returncode != 0:
+            verdict = (oracle.stdout.strip().splitlines() or ["no output"])[-1]
+            return Outcome(hunk, "killed", f"differential oracle: {verdict}")
+        return Outcome(hunk, "survived", last)
     finally:
         target.write_text(before)
 
@@ -231,7 +248,7 @@ def mutate_series(
             def one(hunk: Hunk) -> Outcome:
                 wt = free.pop()
                 try:
-                    return try_one(hunk, wt, python, tests)
+                    return try_one(hunk, wt, python, tests, series.dir)
                 finally:
                     free.append(wt)
 
@@ -246,7 +263,14 @@ def mutate_series(
         if "operators" in kinds:
             print(f"==> operator mutants of {rel(series.dir)}", file=sys.stderr)
             operators = run_operator_mutants(
-                tree, series.base().tag, worktrees, python, tests, work, rerun_survivors
+                tree,
+                series.base().tag,
+                worktrees,
+                python,
+                tests,
+                series.dir,
+                work,
+                rerun_survivors,
             )
     finally:
         for wt in worktrees:

@@ -9,8 +9,9 @@ tester, installed into its own venv under .work/venvs) makes them:
 against the upstream base), `cr-filter-operators` drops the operators in
 EXCLUDED_OPERATORS, and `cosmic-ray exec` runs the fast suite against each
 mutant on one HTTP worker per git worktree (its http distributor), so two
-run at once. Each mutant is then attributed to the patch that wrote its line
-(`git blame`).
+run at once; a mutant the suite does not kill then faces the differential
+oracle (DIFFERENTIAL_SEEDS traces against the base). Each mutant is then
+attributed to the patch that wrote its line (`git blame`).
 
 A mutant that cannot change behaviour is listed in EQUIVALENT (patch, the
 mutated line, operator) with the reason, and not counted.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import sqlite3
 import subprocess
@@ -48,6 +50,28 @@ EXCLUDED_OPERATORS = [
     r"|In_NotIn$|NotIn_In$)",
     r"core/ReplaceUnaryOperator_(?!Delete_Not$)",
 ]
+# Traces of the differential oracle a mutant the tests did not kill must
+# pass: a mutant that changes what the base does where no patch says so is
+# killed by it (the oracle's whole point: "changes nothing else").
+DIFFERENTIAL_SEEDS = 60
+
+
+def differential_command(series_dir: Path, tree: str, out: str) -> list[str]:
+    """The differential oracle of `series_dir`'s base against `tree`."""
+    return [
+        sys.executable,
+        str(ROOT / "scripts" / "differential.py"),
+        "--series",
+        str(series_dir),
+        "--series-tree",
+        tree,
+        "--seeds",
+        str(DIFFERENTIAL_SEEDS),
+        "--out",
+        out,
+    ]
+
+
 # (patch subject fragment, the mutated line stripped, operator) -> why the
 # mutant cannot change behaviour.
 CLAMP = (
@@ -186,6 +210,7 @@ def run_operator_mutants(
     worktrees: list[Path],
     python: Path,
     tests: list[str],
+    series_dir: Path,
     work: Path,
     rerun_survivors: bool = False,
 ) -> list[OperatorMutant]:
@@ -199,14 +224,15 @@ def run_operator_mutants(
         for f in git(tree, "diff", "--name-only", base_tag, "HEAD").split()
         if f.endswith(".py") and f != "vllm/_fork.py"
     ]
-    command = " ".join(
-        [
-            str(python),
-            "-m pytest -x -q -p no:cacheprovider -p fork_upstream_plugin",
-            f"-c {ROOT / 'pyproject.toml'} --rootdir {ROOT}",
-            *(str(ROOT / t) for t in tests),
-        ]
-    )
+    pytest = [
+        str(python),
+        "-m pytest -x -q -p no:cacheprovider -p fork_upstream_plugin",
+        f"-c {ROOT / 'pyproject.toml'} --rootdir {ROOT}",
+        *(str(ROOT / t) for t in tests),
+    ]
+    # Run in the worker's worktree; the oracle only for what the tests pass.
+    oracle = differential_command(series_dir, ".", ".differential")
+    command = "sh -c " + shlex.quote(f"{' '.join(pytest)} && {shlex.join(oracle)}")
     config, session = work / "cosmic-ray.toml", work / "session.sqlite"
     stamp = work / "session.head"
     head = git(tree, "rev-parse", "HEAD").strip()
