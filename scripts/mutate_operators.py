@@ -19,6 +19,7 @@ mutated line, operator) with the reason, and not counted.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -158,21 +159,22 @@ def free_port() -> int:
 def write_config(
     path: Path, files: list[str], base_tag: str, command: str, timeout: float
 ) -> None:
+    # JSON strings are TOML basic strings (the test command holds quotes).
     def toml_list(items: list[str]) -> str:
-        return "[" + ", ".join(f"'{i}'" for i in items) + "]"
+        return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
     path.write_text(
         "[cosmic-ray]\n"
         f"module-path = {toml_list(files)}\n"
         f"timeout = {timeout}\n"
         "excluded-modules = []\n"
-        f"test-command = '{command}'\n\n"
+        f"test-command = {json.dumps(command)}\n\n"
         "[cosmic-ray.distributor]\n"
-        "name = 'http'\n\n"
+        'name = "http"\n\n'
         "[cosmic-ray.distributor.http]\n"
         "worker-urls = []\n\n"
         "[cosmic-ray.filters.git-filter]\n"
-        f"branch = '{base_tag}'\n\n"
+        f"branch = {json.dumps(base_tag)}\n\n"
         "[cosmic-ray.filters.operators-filter]\n"
         f"exclude-operators = {toml_list(EXCLUDED_OPERATORS)}\n"
     )
@@ -180,7 +182,7 @@ def write_config(
 
 def set_workers(config: Path, urls: list[str]) -> None:
     text = config.read_text()
-    listed = "[" + ", ".join(f"'{u}'" for u in urls) + "]"
+    listed = "[" + ", ".join(json.dumps(u) for u in urls) + "]"
     config.write_text(text.replace("worker-urls = []", f"worker-urls = {listed}"))
 
 
