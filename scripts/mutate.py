@@ -18,10 +18,11 @@ negated or loosened, a boundary moved by one, a loop that never runs), made
 by Cosmic Ray and run against the same suite: see mutate_operators.py.
 
 Two mutants run at once (one git worktree each). Writes .work/mutate/
-mutate.md: per patch, killed / survived / equivalent / not separable, and
-each survivor's diff. The last line: `N of M mutants killed (P%)`,
-equivalent, not separable and incompetent ones excluded. Exits non-zero
-below --target.
+mutate.md (mutate-hunks.md or mutate-operators.md for one kind): per
+patch, killed / survived / equivalent / not separable, and each survivor's
+diff; per series and kind, how many were killed. The last line:
+`N of M mutants killed (P%)`, equivalent, not separable and incompetent
+ones excluded. Exits non-zero below --target.
 """
 
 from __future__ import annotations
@@ -281,8 +282,15 @@ def mutate_series(
 def report(
     version: str, outcomes: list[Outcome], operators: list[OperatorMutant]
 ) -> list[str]:
+    def killed(states: list[str]) -> str:
+        n, m = states.count("killed"), states.count("killed") + states.count("survived")
+        return f"{n} of {m} killed ({100 * n / m:.0f}%)" if m else "none run"
+
     return [
         f"## vLLM {version}",
+        "",
+        f"Hunk reverts: {killed([o.state for o in outcomes])}. "
+        f"Operator mutants: {killed([m.state for m in operators])}.",
         "",
         *hunk_report(outcomes),
         "",
@@ -398,7 +406,9 @@ def main() -> int:
     lines.append(f"Took {time.monotonic() - start:.0f}s.")
     lines.append(f"{killed} of {counted} mutants killed ({percent:.0f}%)")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "mutate.md").write_text("\n".join(lines) + "\n")
+    # A run of one kind does not overwrite the report of both.
+    name = "mutate.md" if len(kinds) == 2 else f"mutate-{kinds.pop()}.md"
+    (OUT / name).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if percent >= args.target else 1
 
