@@ -30,7 +30,9 @@ replay it.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -184,6 +186,15 @@ def series_effects(series: Series) -> list[Effect]:
     return [e for e in EFFECTS if any(e.patch in n for n in names)]
 
 
+def base_cache_dir(version: str) -> Path:
+    """Where the base's results of each trace are kept for --cache-base:
+    they depend only on the release and on the harness that runs them."""
+    digest = hashlib.sha256(version.encode())
+    for f in sorted((ROOT / "tests" / "harness").rglob("*.py")):
+        digest.update(f.read_bytes())
+    return OUT / "base-cache" / f"v{version}-{digest.hexdigest()[:12]}"
+
+
 def run_traces(
     python: Path,
     base_tree: Path,
@@ -193,26 +204,42 @@ def run_traces(
     timeout: float = 120,
     progress: bool = True,
     out: Path = OUT,
+    base_cache: Path | None = None,
 ) -> tuple[list[Verdict], list[str]]:
     """Run the traces of `seeds` on both trees; the verdicts and a report.
-    The workers log into `out`."""
+    The workers log into `out`. With `base_cache`, the base's results are
+    read from there when present (and written there when not)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from harness.traces import generate
 
     start = time.monotonic()
-    workers = {
-        name: Worker(
+
+    def worker(name: str, tree: Path) -> Worker:
+        return Worker(
             python, tree, name, seeds.start, module="harness.trace_worker", log_dir=out
         )
-        for name, tree in (("base", base_tree), ("series", series_tree))
-    }
+
+    workers = {"series": worker("series", series_tree)}
     verdicts: list[Verdict] = []
     kinds: Counter[tuple[str, str]] = Counter()
     try:
         for seed in seeds:
-            for w in workers.values():
-                w.send(str(seed))
-            base, ser = (w.receive(f"trace {seed}", timeout) for w in workers.values())
+            cached = None
+            if base_cache is not None:
+                path = base_cache / f"{seeds.start}-{seed}.json"
+                cached = json.loads(path.read_text()) if path.exists() else None
+            if cached is None and "base" not in workers:
+                workers["base"] = worker("base", base_tree)
+            for name, w in workers.items():
+                if name == "series" or cached is None:
+                    w.send(str(seed))
+            base = cached or workers["base"].receive(f"trace {seed}", timeout)
+            ser = workers["series"].receive(f"trace {seed}", timeout)
+            if base_cache is not None and cached is None:
+                base_cache.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}")
+                tmp.write_text(json.dumps(base))
+                tmp.replace(path)  # whole or not at all: two runs may race
             trace = generate(seed)
             verdict = compare(seed, trace.cfg, base, ser, effects)
             verdicts.append(verdict)
@@ -278,6 +305,12 @@ def main() -> int:
     p.add_argument(
         "--out", type=Path, default=OUT, help=f"report and logs (default {rel(OUT)})"
     )
+    p.add_argument(
+        "--cache-base",
+        action="store_true",
+        help="keep the base's result of each trace and reuse it (it depends "
+        "only on the release and the harness): for runs against many trees",
+    )
     args = p.parse_args()
     out = args.out.resolve()
     series = Series(args.series.resolve())
@@ -308,6 +341,7 @@ def main() -> int:
         seeds,
         args.timeout,
         out=out,
+        base_cache=base_cache_dir(version) if args.cache_base else None,
     )
     lines[0] = f"Differential oracle, vLLM {version}: {lines[0]}"
     print("\n".join(lines))

@@ -7,7 +7,7 @@ patched tree with just that hunk undone) and the fast suite runs against
 it: the series' reproducer files and the hypothesis state machines
 (tests/harness_tests/test_stateful.py). The mutant is killed when a test
 fails, or, when none does, when the differential oracle finds it changing
-what the base does where no patch says so (60 traces). A hunk whose revert
+what the base does where no patch says so (40 traces). A hunk whose revert
 leaves the code's syntax tree unchanged (comments, docstrings) is
 equivalent and not run; so is a hunk listed in
 EQUIVALENT, with the reason it cannot change behaviour. A hunk that a later

@@ -54,7 +54,7 @@ EXCLUDED_OPERATORS = [
 # Traces of the differential oracle a mutant the tests did not kill must
 # pass: a mutant that changes what the base does where no patch says so is
 # killed by it (the oracle's whole point: "changes nothing else").
-DIFFERENTIAL_SEEDS = 60
+DIFFERENTIAL_SEEDS = 40
 
 
 def differential_command(series_dir: Path, tree: str, out: str) -> list[str]:
@@ -70,6 +70,7 @@ def differential_command(series_dir: Path, tree: str, out: str) -> list[str]:
         str(DIFFERENTIAL_SEEDS),
         "--out",
         out,
+        "--cache-base",
     ]
 
 
