@@ -41,19 +41,31 @@ def cpu_tag(e: Engine, req: Request, index: int, group: int = 0) -> Any:
 
 
 def lost_or_wrong_cpu_blocks(e: Engine, req_ids: list[str]) -> list[str]:
-    """Full-attention blocks the requests computed that the CPU lacks or
-    holds with the wrong content. Needs a CPU pool large enough that
-    nothing was evicted from it."""
+    """Blocks the requests computed that the CPU lacks or holds with the
+    wrong content: every full-attention block, and in a hybrid layout the
+    sliding-window blocks of the request's last window (those before it
+    were dropped on the GPU and need not reach the CPU, but any of them the
+    CPU holds must hold the right content). Needs a CPU pool large enough
+    that nothing was evicted from it."""
     oracle = ContentOracle(e.cfg.block_size)
+    bs = e.cfg.block_size
     problems = []
     for req_id in req_ids:
         req = e.requests[req_id]
-        for i in range(req.num_computed_tokens // e.cfg.block_size):
-            want = oracle.tag(req, 0, i, e.cfg.block_size)
-            got = cpu_tag(e, req, i)
-            if got != want:
-                what = "lost" if cpu_block_of(e, req, i) is None else "wrong"
-                problems.append(f"{req_id} block #{i}: {what} ({got!r})")
+        num_full = req.num_computed_tokens // bs
+        groups = {0: 0}
+        if e.cfg.hybrid:
+            last_window = max(0, req.num_computed_tokens - e.cfg.sliding_window + 1)
+            groups[1] = last_window // bs
+        for group, first_needed in groups.items():
+            for i in range(num_full):
+                want = oracle.tag(req, group, i, bs)
+                got = cpu_tag(e, req, i, group)
+                stored = cpu_block_of(e, req, i, group) is not None
+                if got == want or (not stored and i < first_needed):
+                    continue
+                what = "wrong" if stored else "lost"
+                problems.append(f"{req_id} group {group} block #{i}: {what} ({got!r})")
     return problems
 
 
