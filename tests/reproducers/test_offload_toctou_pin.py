@@ -184,3 +184,16 @@ def test_a_take_of_more_than_the_hit_is_an_error_that_unpins():
     with pytest.raises(RuntimeError, match=f"{3 * BS} external tokens.* {2 * BS} "):
         e.offload.update_state_after_alloc(b, kvm.get_blocks("b"), 3 * BS)
     assert [cpu_block_of(e, a, i).ref_cnt for i in range(2)] == [0, 0]
+
+
+def test_a_take_with_no_hit_found_is_an_error():
+    """External tokens for a request get_num_new_matched_tokens() found no
+    CPU hit for: the same clear error, saying so."""
+    e = engine(num_cpu_blocks=8)
+    b = new_request(e, PROMPT_A, req_id="b")
+    kvm = e.scheduler.kv_cache_manager
+    assert kvm.allocate_slots(
+        b, 0, num_external_computed_tokens=2 * BS, delay_cache_blocks=True
+    )
+    with pytest.raises(RuntimeError, match="found no CPU hit tokens"):
+        e.offload.update_state_after_alloc(b, kvm.get_blocks("b"), 2 * BS)
