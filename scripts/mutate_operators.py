@@ -158,7 +158,12 @@ def free_port() -> int:
 
 
 def write_config(
-    path: Path, files: list[str], base_tag: str, command: str, timeout: float
+    path: Path,
+    files: list[str],
+    base_tag: str,
+    command: str,
+    timeout: float,
+    workers: list[str],
 ) -> None:
     # JSON strings are TOML basic strings (the test command holds quotes).
     def toml_list(items: list[str]) -> str:
@@ -173,18 +178,12 @@ def write_config(
         "[cosmic-ray.distributor]\n"
         'name = "http"\n\n'
         "[cosmic-ray.distributor.http]\n"
-        "worker-urls = []\n\n"
+        f"worker-urls = {toml_list(workers)}\n\n"
         "[cosmic-ray.filters.git-filter]\n"
         f"branch = {json.dumps(base_tag)}\n\n"
         "[cosmic-ray.filters.operators-filter]\n"
         f"exclude-operators = {toml_list(EXCLUDED_OPERATORS)}\n"
     )
-
-
-def set_workers(config: Path, urls: list[str]) -> None:
-    text = config.read_text()
-    listed = "[" + ", ".join(json.dumps(u) for u in urls) + "]"
-    config.write_text(text.replace("worker-urls = []", f"worker-urls = {listed}"))
 
 
 def blame(tree: Path, base_tag: str, file: str) -> dict[int, str]:
@@ -241,7 +240,9 @@ def run_operator_mutants(
     head = git(tree, "rev-parse", "HEAD").strip()
     # A mutant that hangs is killed at the timeout: far above the suite's
     # own time, which the harness's step limits keep bounded.
-    write_config(config, files, base_tag, command, timeout=600.0)
+    ports = [free_port() for _ in worktrees]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    write_config(config, files, base_tag, command, 600.0, urls)
     home = worktrees[0]
     if rerun_survivors and session.exists() and stamp.read_text() == head:
         with sqlite3.connect(session) as db:
@@ -255,8 +256,6 @@ def run_operator_mutants(
         run([bin_dir / "cr-filter-git", "--config", config, session], cwd=home)
         run([bin_dir / "cr-filter-operators", session, config], cwd=home)
         stamp.write_text(head)
-    ports = [free_port() for _ in worktrees]
-    set_workers(config, [f"http://127.0.0.1:{p}" for p in ports])
     workers = [
         subprocess.Popen(
             [str(bin_dir / "cosmic-ray"), "http-worker", "--port", str(port)],

@@ -54,11 +54,10 @@ _handles = itertools.count(1)
 
 @dataclass(frozen=True)
 class Mark:
-    """Where an event was recorded: a stream, at a harness step, after the
-    operations numbered below `seq`."""
+    """Where an event was recorded: a stream, after the operations numbered
+    below `seq`."""
 
     stream: str
-    step: int
     seq: int
 
 
@@ -142,7 +141,7 @@ class FakeEvent:
         cuda = FakeCuda.current()
         stream = stream or cuda.compute
         self._cuda = cuda
-        self.mark = Mark(stream.name, cuda.clock(), cuda.tick())
+        self.mark = Mark(stream.name, cuda.tick())
         self._copies = [c for c in stream.copies if not c.done]
         if stream is not cuda.compute:
             ready = cuda.clock() + cuda.delay(stream is cuda.store)

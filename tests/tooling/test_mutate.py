@@ -4,11 +4,13 @@ which patch wrote a line, which operators make mutants."""
 from __future__ import annotations
 
 import re
+import shlex
+import tomllib
 
 from conftest import git
 
 from mutate import code_of
-from mutate_operators import EXCLUDED_OPERATORS, blame
+from mutate_operators import EXCLUDED_OPERATORS, blame, write_config
 
 BEFORE = '''
 def f(x: int) -> int:
@@ -76,3 +78,14 @@ def test_operators_kept_negate_loosen_or_move_by_one():
     ]
     assert [n for n in kept if excluded(n)] == []
     assert [n for n in dropped if not excluded(n)] == []
+
+
+def test_cosmic_ray_config_keeps_a_quoted_test_command(tmp_path):
+    # The test command is `sh -c '...'`: a TOML literal string broke on it.
+    command = "sh -c " + shlex.quote("pytest 'a b' && oracle \"x\"")
+    path = tmp_path / "cr.toml"
+    write_config(path, ["m.py"], "upstream/v1", command, 600.0, ["http://h:1"])
+    config = tomllib.loads(path.read_text())["cosmic-ray"]
+    assert config["test-command"] == command
+    assert config["distributor"]["http"]["worker-urls"] == ["http://h:1"]
+    assert config["filters"]["git-filter"]["branch"] == "upstream/v1"
