@@ -343,6 +343,58 @@ class FakeModelRunner:
         )
 
 
+def make_offload_worker(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cuda: FakeCuda
+) -> tuple[SimpleCPUOffloadWorker, CopyEngine]:
+    """The release's real offload worker, copying on the fake CUDA."""
+    worker = SimpleCPUOffloadWorker(vllm_config, kv_cache_config, cpu_capacity_bytes=0)
+    backend = CopyEngine(cuda)
+    # In place of register_kv_caches, which needs CUDA tensors.
+    worker._backend = backend  # type: ignore[assignment]
+    return worker, backend
+
+
+def worker_step(
+    worker: SimpleCPUOffloadWorker | None,
+    runner: FakeModelRunner,
+    cuda: FakeCuda,
+    so: SchedulerOutput,
+    step: int,
+    failed_loads: Callable[[set[str] | None], set[int]] = lambda recving: set(),
+) -> ModelRunnerOutput:
+    """The worker side of one step, in the model runner's order: the
+    connector's calls around the forward, as each release's runner makes
+    them. `failed_loads(recving)` names the blocks whose load failed."""
+    if worker is None:
+        out = runner.execute(so, step)
+    else:
+        w = worker
+        with cuda.active():
+            w.handle_preemptions(so.kv_connector_metadata)
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            # Sync loads feed this step's forward (0.30+); others start
+            # after it is launched.
+            sync_loads = getattr(so, "has_sync_kv_loads", False)
+            if sync_loads:
+                w.start_load_kv()
+            out = runner.execute(so, step)
+            if not sync_loads:
+                w.start_load_kv()
+            w.wait_for_save()
+            sending, recving = w.get_finished(so.finished_req_ids)
+            invalid = failed_loads(recving)
+            out.kv_connector_output = KVConnectorOutput(
+                finished_sending=sending,
+                finished_recving=recving,
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
+                # Passed only when set: not every release has the field.
+                **({"invalid_block_ids": invalid} if invalid else {}),
+            )
+            w.clear_connector_metadata()
+    cuda.host_sync()
+    return out
+
+
 @dataclass
 class StepStats:
     steps: int = 0
@@ -387,12 +439,9 @@ class Engine:
         self.copy_backend: CopyEngine | None = None
         self.worker: SimpleCPUOffloadWorker | None = None
         if self.cfg.offload:
-            self.worker = SimpleCPUOffloadWorker(
-                self.vllm_config, self.kv_cache_config, cpu_capacity_bytes=0
+            self.worker, self.copy_backend = make_offload_worker(
+                self.vllm_config, self.kv_cache_config, self.cuda
             )
-            self.copy_backend = CopyEngine(self.cuda)
-            # In place of register_kv_caches, which needs CUDA tensors.
-            self.worker._backend = self.copy_backend  # type: ignore[assignment]
         self._ids = itertools.count()
         # Requests whose next CPU->GPU load fails (see fail_next_load).
         self._failing_loads: set[str] = set()
@@ -463,33 +512,14 @@ class Engine:
         so = self.scheduler.schedule()
         self.stats.scheduler_seconds += time.perf_counter() - start
         self.stats.preemptions += len(so.preempted_req_ids or ())
-        w = self.worker
-        if w is None:
-            out = self.runner.execute(so, self.stats.steps)
-        else:
-            with self.cuda.active():
-                w.handle_preemptions(so.kv_connector_metadata)
-                w.bind_connector_metadata(so.kv_connector_metadata)
-                # Sync loads feed this step's forward (0.30+); others start
-                # after it is launched.
-                sync_loads = getattr(so, "has_sync_kv_loads", False)
-                if sync_loads:
-                    w.start_load_kv()
-                out = self.runner.execute(so, self.stats.steps)
-                if not sync_loads:
-                    w.start_load_kv()
-                w.wait_for_save()
-                sending, recving = w.get_finished(so.finished_req_ids)
-                invalid = self._failed_load_blocks(recving)
-                out.kv_connector_output = KVConnectorOutput(
-                    finished_sending=sending,
-                    finished_recving=recving,
-                    kv_connector_worker_meta=w.build_connector_worker_meta(),
-                    # Passed only when set: not every release has the field.
-                    **({"invalid_block_ids": invalid} if invalid else {}),
-                )
-                w.clear_connector_metadata()
-        self.cuda.host_sync()
+        out = worker_step(
+            self.worker,
+            self.runner,
+            self.cuda,
+            so,
+            self.stats.steps,
+            self._failed_load_blocks,
+        )
         self.stats.steps += 1
         start = time.perf_counter()
         engine_outputs = self.scheduler.update_from_output(so, out)

@@ -1,0 +1,177 @@
+"""One real `vllm serve` for `make e2e`: start it, watch it, stop it.
+
+The server is vLLM's own (OpenAI API server + EngineCore + a worker
+process) from a source tree on PYTHONPATH, on 127.0.0.1 and a free port,
+with the model-free worker of tests/e2e (no weights, no tokenizer). It is
+always stopped on leaving the `with` block, whatever happened: its whole
+process group gets SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from common import ROOT, WORK, ForkError, rel
+from testenv import tree_env
+
+MODEL_DIR = ROOT / "tests" / "harness" / "model"
+E2E_PATH = ROOT / "tests"
+STARTUP_SECONDS = 180
+# The exception line of a traceback the EngineCore logged, e.g.
+# "(EngineCore pid=1) ERROR 11-23 05:41:16 [core.py:1138] AssertionError".
+ENGINE_EXCEPTION = re.compile(
+    r"^\(EngineCore[^)]*\) ERROR [^\]]*\] ([A-Za-z_][\w.]*(?:Error|Exception)\b.*)$",
+    re.M,
+)
+
+
+def version_metadata(version: str) -> Path:
+    """A directory holding only a vllm dist-info of `version`."""
+    where = WORK / "e2e" / "metadata" / version
+    dist = where / f"vllm-{version}.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+    )
+    return where
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`with Server(...) as server:` a running server, or ForkError."""
+
+    def __init__(
+        self,
+        python: Path,
+        tree: Path,
+        version: str,
+        args: list[str],
+        env: dict[str, str],
+        log: Path,
+    ):
+        self.python, self.tree, self.args, self.log = python, tree, args, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, **tree_env(tree), **env}
+        # `vllm serve` reads its version from the package's metadata, which a
+        # tree on PYTHONPATH lacks; the model-free worker and the peer
+        # scheduler import from tests/.
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            [str(version_metadata(version)), self.env["PYTHONPATH"], str(E2E_PATH)]
+        )
+        self.proc: subprocess.Popen | None = None
+        self.started_in = 0.0
+
+    def command(self) -> list[str]:
+        return [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            str(MODEL_DIR),
+            "--served-model-name",
+            "e2e",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--skip-tokenizer-init",
+            "--worker-cls",
+            "e2e.model_free_worker.ModelFreeWorker",
+            "--enforce-eager",
+            "--no-async-scheduling",
+            *self.args,
+        ]
+
+    def __enter__(self) -> Server:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                self.command(),
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready(start)
+        except BaseException:
+            self.stop()
+            raise
+        self.started_in = time.monotonic() - start
+        return self
+
+    def _wait_ready(self, start: float) -> None:
+        while time.monotonic() - start < STARTUP_SECONDS:
+            if self.health() == 200:
+                return
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ForkError(
+                    f"vllm serve exited ({self.proc.returncode}) before it was "
+                    f"ready: {self.engine_exception() or 'see ' + rel(self.log)}"
+                )
+            time.sleep(0.5)
+        raise ForkError(
+            f"vllm serve not ready in {STARTUP_SECONDS}s: see {rel(self.log)}"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Workers the API server started may outlive it in the same group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def health(self) -> int:
+        """/health's HTTP status; 0 when nothing answers."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return 0
+
+    def engine_exception(self) -> str:
+        """The first exception the EngineCore logged, '' if none."""
+        if not self.log.exists():
+            return ""
+        m = ENGINE_EXCEPTION.search(self.log.read_text(errors="replace"))
+        return m.group(1).strip() if m else ""
+
+
+def read_json_lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
