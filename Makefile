@@ -11,10 +11,10 @@ ARGS ?=
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-slow bench rebase \
 	rebase-continue rebase-abort matrix wheel overlay export import soak differential \
-	mutate clean
+	mutate e2e clean
 
 help: ## list the targets
-	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z0-9-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  Variables: SERIES=$(SERIES) TREE=$(TREE) PYTHON=$(PYTHON)"
 	@echo "  make rebase: BASE=<release or git ref> [INTO=patches/v<release>] [VERSION= GIT_URL=]"
 
@@ -68,6 +68,9 @@ matrix: ## patches and reproducers on releases 0.19.0 .. 0.33.0 (.work/matrix/)
 
 bench: ## allocator speed: unpatched base against the series, side by side
 	$(PYTHON) scripts/bench.py --series $(SERIES)
+
+e2e: apply ## the real vllm serve on a CPU, base against series, via the openai client (.work/e2e/)
+	$(PYTHON) scripts/e2e.py $(ARGS)
 
 mutate: ## hunk reverts and operator mutants of every series must fail a test (.work/mutate/)
 	$(PYTHON) scripts/mutate.py $(ARGS)

@@ -4,7 +4,7 @@
 For each release the project has a series for, it starts vLLM's own
 OpenAI API server and EngineCore from the bare release (base) and from the
 release with its series, one after the other, each with a model-free
-worker (tests/e2e/model_free_worker.py: the harness's fake model runner,
+worker (tests/in_server/model_free_worker.py: the harness's fake model runner,
 and the release's real SimpleCPUOffloadWorker on the fake CUDA), and drives
 them with the `openai` client over loopback (scripts/e2e_load.py):
 
@@ -12,7 +12,7 @@ them with the `openai` client over loopback (scripts/e2e_load.py):
            prompts back to back;
   seed002  requests that finish in the step their last block is computed,
            then prompts extending them: their CPU hits must be complete;
-  seed003  a peer engine on the shared pool (tests/e2e/peer_scheduler.py)
+  seed003  a peer engine on the shared pool (tests/in_server/peer_scheduler.py)
            takes blocks between the scheduler's count and its grab, under
            a concurrent load;
   load     a mix: concurrency, streaming, streams closed mid-way, shared
@@ -146,7 +146,7 @@ def scenarios(short: bool) -> list[Scenario]:
         [
             *serve_args(gpu_blocks=96, cpu_blocks=None, hybrid=True),
             "--scheduler-cls",
-            "e2e.peer_scheduler.PeerScheduler",
+            "in_server.peer_scheduler.PeerScheduler",
         ],
         hybrid_env(48),
         ["--workload", "load", "--requests", "60", "--concurrency", "16"],
@@ -288,6 +288,22 @@ def fmt(value: object) -> str:
     return str(value)
 
 
+def verdict(r: Row) -> str:
+    if r.problems:
+        return "FAIL: " + "; ".join(r.problems)
+    judged = r.kind == "series" or r.scenario.reproducer
+    return "as expected" if judged else "not judged"
+
+
+def one_line(label: str, r: Row) -> str:
+    return (
+        f"{label} {r.scenario.name}: {len(r.outcomes)} sent, "
+        f"{sum(r.errors.values())} failed, engine "
+        f"{'alive' if r.alive else 'dead'}, {len(r.violations)} violations: "
+        f"{verdict(r)}"
+    )
+
+
 def table(title: str, rows: list[Row]) -> list[str]:
     lines = [
         f"### {title}",
@@ -301,19 +317,13 @@ def table(title: str, rows: list[Row]) -> list[str]:
         ok = sum(o == "ok" for o in r.outcomes)
         cancelled = sum(o == "cancelled" for o in r.outcomes)
         engine = "alive" if r.alive else "dead"
-        judged = r.kind == "series" or r.scenario.reproducer
-        verdict = (
-            "FAIL: " + "; ".join(r.problems)
-            if r.problems
-            else ("as expected" if judged else "not judged")
-        )
         hits = f"{r.cpu_hits[0]}/{r.cpu_hits[1]}" if r.cpu_hits else "-"
         peer = str(r.peer_strikes) if r.scenario.peer else "-"
         lines.append(
             f"| {r.scenario.name} | {len(r.outcomes)} | {ok} | {cancelled} | "
             f"{sum(r.errors.values())} | {engine} | {len(r.violations)} | "
             f"{fmt(r.preemptions)} | {hits} | {peer} | {r.start_seconds:.0f} | "
-            f"{r.run_seconds:.0f} | {verdict} |"
+            f"{r.run_seconds:.0f} | {verdict(r)} |"
         )
     details = []
     for r in rows:
@@ -328,11 +338,12 @@ def table(title: str, rows: list[Row]) -> list[str]:
 
 def run_targets(
     targets: list[Target], short: bool, only: list[str] | None = None
-) -> tuple[bool, list[str]]:
+) -> tuple[bool, list[str], list[str]]:
     """Every scenario (or those named in `only`) on every target; (all as
-    expected, report lines)."""
+    expected, report tables, one line per run)."""
     OUT.mkdir(parents=True, exist_ok=True)
     report: list[str] = []
+    summary: list[str] = []
     ok = True
     for t in targets:
         rows = []
@@ -349,10 +360,11 @@ def run_targets(
                 + (f": {'; '.join(row.problems)}" if row.problems else "")
             )
             rows.append(row)
+            summary.append(one_line(t.label, row))
         ok = ok and not any(r.problems for r in rows)
         report += table(f"{t.label} ({rel(t.tree)})", rows)
     (OUT / ("e2e-short.md" if short else "e2e.md")).write_text("\n".join(report))
-    return ok, report
+    return ok, report, summary
 
 
 def default_targets(short: bool, releases: list[str] | None) -> Iterator[Target]:
@@ -402,7 +414,7 @@ def main() -> int:
     targets = list(default_targets(args.short, args.release))
     if not targets:
         raise ForkError(f"no series for release(s) {args.release}: see patches/")
-    ok, report = run_targets(targets, args.short, args.scenario)
+    ok, report, _ = run_targets(targets, args.short, args.scenario)
     say("\n" + "\n".join(report))
     say(
         f"{'PASSED' if ok else 'FAILED'} in {time.monotonic() - start:.0f}s "

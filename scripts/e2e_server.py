@@ -2,7 +2,7 @@
 
 The server is vLLM's own (OpenAI API server + EngineCore + a worker
 process) from a source tree on PYTHONPATH, on 127.0.0.1 and a free port,
-with the model-free worker of tests/e2e (no weights, no tokenizer). It is
+with the model-free worker of tests/in_server (no weights, no tokenizer). It is
 always stopped on leaving the `with` block, whatever happened: its whole
 process group gets SIGTERM, then SIGKILL.
 """
@@ -92,7 +92,7 @@ class Server:
             str(self.port),
             "--skip-tokenizer-init",
             "--worker-cls",
-            "e2e.model_free_worker.ModelFreeWorker",
+            "in_server.model_free_worker.ModelFreeWorker",
             "--enforce-eager",
             "--no-async-scheduling",
             *self.args,

@@ -13,9 +13,12 @@ For every series (default: patches/ and any series under patches/v*/):
      a patch declares otherwise;
   5. check the series is stable: refresh right after apply changes no byte;
   6. lint the files the series changes with vLLM's own ruff settings.
-Then, once: the project's own tests (tests/, with the first series' tree)
-and ruff on scripts/ and tests/. Ends with a summary table; exits non-zero
-if any step failed. Logs are in .work/logs/.
+Then a short end-to-end run of the real `vllm serve` (scripts/e2e.py
+--short: seed 000 and a small load mix, on the default release's base and
+series and the newest release's series). Then, once: the project's own
+tests (tests/, with the first series' tree) and ruff on scripts/ and
+tests/. Ends with a summary table; exits non-zero if any step failed. Logs
+are in .work/logs/.
 
 --slow (make test-slow) runs only the project's tests marked slow, e.g. the
 patched wheel made from upstream's real 244 MB wheel.
@@ -31,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import e2e
 
 import differential as differential_oracle
 from apply import apply_series, checkout_base
@@ -254,6 +259,22 @@ def project_tests(python: Path, trees: Trees, slow: bool = False) -> tuple[bool,
     return ok, detail
 
 
+def e2e_short(all_trees: list[Trees], pythons: dict[str, Path]) -> tuple[bool, str]:
+    """The real server: the default release's base and series, the newest
+    release's series (make e2e runs every release and scenario)."""
+    first, newest = all_trees[0], all_trees[-1]
+    targets = [
+        e2e.Target(first.series, "base", first.base, pythons[first.version]),
+        e2e.Target(first.series, "series", first.patched, pythons[first.version]),
+    ]
+    if newest is not first and newest.version in pythons:
+        targets.append(
+            e2e.Target(newest.series, "series", newest.patched, pythons[newest.version])
+        )
+    ok, _, summary = e2e.run_targets(targets, short=True)
+    return ok, "\n".join(summary) + f"\ntables: {rel(e2e.OUT)}/e2e-short.md"
+
+
 class Report:
     """Runs the steps, prints each outcome, and keeps them for the table."""
 
@@ -349,6 +370,7 @@ def main() -> int:
         report.run("slow project tests", lambda: project_tests(python, first, True))
     elif python is not None:
         first = all_trees[0]
+        pythons: dict[str, Path] = {}
         report.run("project tests", lambda: project_tests(python, first))
         report.run("ruff (scripts, tests)", lambda: ruff(["scripts", "tests"], ROOT))
         for t in all_trees:
@@ -366,6 +388,8 @@ def main() -> int:
             report.run(f"differential v{v}", lambda t=t, py=py: differential(py, t))
             report.run(f"series stable v{v}", lambda t=t: series_stable(t))
             report.run(f"ruff vLLM settings v{v}", lambda t=t: vllm_lint(t))
+            pythons[v] = py
+        report.run("e2e vllm serve (short)", lambda: e2e_short(all_trees, pythons))
 
     ok = bool(report.results) and all(r.ok for r in report.results)
     say("")
