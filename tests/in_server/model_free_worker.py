@@ -11,6 +11,7 @@ KV cache manager and the connector's scheduler side.
 KV cache specs: one full-attention layer, plus one sliding-window layer
 when VLLM_FORK_E2E_HYBRID=1 (serve with --no-disable-hybrid-kv-cache-manager
 and VLLM_FORK_CPU_HYBRID=1). The pool's size is --num-gpu-blocks-override.
+Stores complete VLLM_FORK_E2E_STORE_DELAY worker steps after launch.
 
 Every content-tag violation (a block read that does not hold what the
 request's tokens say) is appended to the JSON-lines file named by
@@ -47,6 +48,9 @@ from harness.fake_cuda import FakeCuda
 
 HYBRID = os.environ.get("VLLM_FORK_E2E_HYBRID") == "1"
 SLIDING_WINDOW = int(os.environ.get("VLLM_FORK_E2E_SLIDING_WINDOW", "64"))
+# Worker steps after launch at which a GPU->CPU store completes (loads
+# complete in their own step): stores then outlive the requests they serve.
+STORE_DELAY = int(os.environ.get("VLLM_FORK_E2E_STORE_DELAY", "0"))
 # Pretend memory: far more than any pool here; --num-gpu-blocks-override
 # sets the pool's real size.
 AVAILABLE_BYTES = 1 << 30
@@ -153,7 +157,7 @@ class ModelFreeWorker(WorkerBase):
             num_gpu_blocks,
             num_cpu_blocks,
             clock=lambda: self._steps,
-            delay=lambda is_store: 0,
+            delay=lambda is_store: STORE_DELAY if is_store else 0,
         )
         self.runner = FakeModelRunner(
             self.cfg,
