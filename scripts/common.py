@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -151,9 +152,16 @@ def parser(description: str) -> argparse.ArgumentParser:
     )
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main_guard(fn: Callable[[], int | None]) -> None:
     """Run a CLI entry point: ForkError becomes a one-paragraph message."""
     start = time.monotonic()
+    # A SIGTERM (a CI timeout, kill) unwinds like Ctrl-C, so that what a
+    # script started (servers, worktrees) is stopped on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         code = fn() or 0
     except ForkError as e:

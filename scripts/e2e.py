@@ -18,9 +18,10 @@ them with the `openai` client over loopback (scripts/e2e_load.py):
   load     a mix: concurrency, streaming, streams closed mid-way, shared
            prefixes, preemptions, CPU hits.
 
-What the base must do comes from the series: where it names a scenario's
-reproducer, the base must break there as that reproducer says (the engine
-dies; or CPU hits are lost); elsewhere it must behave as the series. The
+What the base must do comes from the series (scripts/e2e_judge.py): where
+it names a scenario's reproducer, the base must break there as that
+reproducer says (the engine dies of the bug's exception; or CPU hits are
+lost); elsewhere it must behave as the series. The
 series must answer every request, stay healthy and read no wrong KV block.
 The load mix is not judged on the base (nothing there is a declared bug).
 Anything else fails. Tables go to stdout and .work/e2e/e2e.md, server
@@ -34,11 +35,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from e2e_judge import Row, Scenario, judge, named_reproducers, verdict
 from e2e_server import Server, read_json_lines
 
 from common import ROOT, WORK, ForkError, main_guard, parser, rel, run, say, step
@@ -47,10 +48,10 @@ from series import Series, find_series
 OUT = WORK / "e2e"
 LOAD_CLIENT = ROOT / "scripts" / "e2e_load.py"
 # KV bytes per token of the model-free worker's layers (K and V, one head
-# of 16 fp16 values): CPU offload sizes are given in bytes.
+# of 16 fp16 values; the harness's PAGE_BYTES, which this process cannot
+# import): CPU offload sizes are given in bytes.
 TOKEN_BYTES = 2 * 1 * 16 * 2
 BLOCK_SIZE = 16
-REPRODUCERS = "tests/reproducers/"
 
 
 def serve_args(
@@ -90,25 +91,9 @@ def serve_args(
 
 def hybrid_env(window: int) -> dict[str, str]:
     return {
-        "VLLM_FORK_CPU_HYBRID": "1",
         "VLLM_FORK_E2E_HYBRID": "1",
         "VLLM_FORK_E2E_SLIDING_WINDOW": str(window),
     }
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    serve: list[str]
-    env: dict[str, str]
-    client: list[str]
-    # The reproducer that, named by a release's series, says the base breaks
-    # here, and how ("dies", "loses CPU hits"); None: not judged on the base.
-    reproducer: str | None = None
-    breaks: str = ""
-    # When the base dies: the exception its EngineCore must log (the bug's).
-    base_exception: str = ""
-    peer: bool = False
 
 
 def scenarios(short: bool) -> list[Scenario]:
@@ -123,6 +108,7 @@ def scenarios(short: bool) -> list[Scenario]:
         reproducer="test_seed000_hybrid_offload.py::test_second_long_request_does_not_crash",
         breaks="dies",
         base_exception="AssertionError",
+        base_raiser="popleft_n",
     )
     seed002 = Scenario(
         "seed002",
@@ -153,6 +139,7 @@ def scenarios(short: bool) -> list[Scenario]:
         reproducer="test_seed003_shared_pool.py::test_peer_takes_blocks_from_running_requests",
         breaks="dies",
         base_exception="ValueError: Cannot get",
+        base_raiser="get_new_blocks",
         peer=True,
     )
     load = Scenario(
@@ -163,27 +150,6 @@ def scenarios(short: bool) -> list[Scenario]:
         ["--workload", "load", "--requests", str(load_n), "--concurrency", str(load_c)],
     )
     return [seed000, load] if short else [seed000, seed002, seed003, load]
-
-
-@dataclass
-class Row:
-    scenario: Scenario
-    kind: str
-    outcomes: list[str] = field(default_factory=list)
-    alive: bool = False
-    violations: list[str] = field(default_factory=list)
-    preemptions: float | None = None
-    cpu_hits: tuple[int, int] | None = None  # (got, wanted) token counts
-    gpu_hits: int = 0
-    peer_strikes: int = 0
-    exception: str = ""
-    start_seconds: float = 0.0
-    run_seconds: float = 0.0
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def errors(self) -> Counter:
-        return Counter(o for o in self.outcomes if o not in ("ok", "cancelled"))
 
 
 @dataclass
@@ -225,60 +191,18 @@ def run_scenario(t: Target, sc: Scenario) -> Row:
             raise ForkError(f"the e2e client failed: {proc.stderr[-2000:]}") from e
         row.alive = server.health() == 200
         row.exception = server.engine_exception()
+    row.planned = result.get("planned", 0)
     row.outcomes = result["outcomes"]
     row.preemptions = result.get("preemptions")
+    row.left = result.get("left", {})
     row.run_seconds = result["seconds"]
+    row.metrics_missing = result.get("metrics_missing", False)
     if "cpu_hit_tokens" in result:
         row.cpu_hits = (result["cpu_hit_tokens"], result["cpu_hit_tokens_wanted"])
         row.gpu_hits = result["gpu_hit_tokens"]
     row.violations = [v["violation"] for v in read_json_lines(violations)]
-    row.peer_strikes = len(read_json_lines(peer_log))
+    row.peer_strikes = read_json_lines(peer_log)
     return row
-
-
-def healthy_problems(row: Row) -> list[str]:
-    """What keeps a run from being clean: every request answered, the
-    engine alive, no wrong KV read, the scenario's own condition met."""
-    problems = []
-    if row.errors:
-        problems.append(f"{sum(row.errors.values())} requests failed")
-    if not row.alive:
-        problems.append(f"engine dead ({row.exception or 'no exception logged'})")
-    if row.violations:
-        problems.append(f"{len(row.violations)} content violations")
-    if row.cpu_hits and row.cpu_hits[0] != row.cpu_hits[1]:
-        problems.append(f"CPU hits {row.cpu_hits[0]} of {row.cpu_hits[1]} tokens")
-    if row.scenario.peer and not row.peer_strikes:
-        problems.append("the peer never struck")
-    return problems
-
-
-def judge(row: Row, series: Series) -> None:
-    sc = row.scenario
-    if row.cpu_hits and row.gpu_hits:
-        row.problems.append(f"GPU prefix cache not reset ({row.gpu_hits} GPU hits)")
-        return
-    named = {
-        t.removeprefix(REPRODUCERS) for p in series.patches() for t in p.reproducers()
-    }
-    if row.kind == "series" or (sc.reproducer and sc.reproducer not in named):
-        row.problems += healthy_problems(row)
-    elif sc.breaks == "dies":
-        if row.alive or not row.errors:
-            row.problems.append(
-                "the base should die here (a declared bug): "
-                f"alive={row.alive}, {sum(row.errors.values())} errors"
-            )
-        elif not row.exception.startswith(sc.base_exception):
-            row.problems.append(
-                f"the base died of {row.exception or 'nothing logged'}, "
-                f"not of the declared bug ({sc.base_exception})"
-            )
-    elif sc.breaks == "loses CPU hits":
-        if not row.alive or row.errors:
-            row.problems.append("the base should stay up here")
-        elif not row.cpu_hits or row.cpu_hits[0] >= row.cpu_hits[1]:
-            row.problems.append(f"the base should lose CPU hits: {row.cpu_hits}")
 
 
 def fmt(value: object) -> str:
@@ -287,13 +211,6 @@ def fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.0f}"
     return str(value)
-
-
-def verdict(r: Row) -> str:
-    if r.problems:
-        return "FAIL: " + "; ".join(r.problems)
-    judged = r.kind == "series" or r.scenario.reproducer
-    return "as expected" if judged else "not judged"
 
 
 def one_line(label: str, r: Row) -> str:
@@ -319,7 +236,7 @@ def table(title: str, rows: list[Row]) -> list[str]:
         cancelled = sum(o == "cancelled" for o in r.outcomes)
         engine = "alive" if r.alive else "dead"
         hits = f"{r.cpu_hits[0]}/{r.cpu_hits[1]}" if r.cpu_hits else "-"
-        peer = str(r.peer_strikes) if r.scenario.peer else "-"
+        peer = str(r.effective_strikes) if r.scenario.peer else "-"
         lines.append(
             f"| {r.scenario.name} | {len(r.outcomes)} | {ok} | {cancelled} | "
             f"{sum(r.errors.values())} | {engine} | {len(r.violations)} | "
@@ -354,7 +271,7 @@ def run_targets(
             step(f"e2e {t.label}: {sc.name}")
             start = time.monotonic()
             row = run_scenario(t, sc)
-            judge(row, t.series)
+            judge(row, named_reproducers(t.series))
             say(
                 f"    {len(row.outcomes)} requests, engine "
                 f"{'alive' if row.alive else 'dead'}, {time.monotonic() - start:.0f}s"

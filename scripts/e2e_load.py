@@ -84,7 +84,9 @@ async def send(client: openai.AsyncOpenAI, job: Job) -> str:
                 finish = chunk.choices[0].finish_reason
             if job.cancel_after is not None and chunks >= job.cancel_after:
                 await stream.close()
-                return "cancelled" if finish is None else "ok"
+                break
+        if finish is None and job.cancel_after is not None:
+            return "cancelled"
         return "ok" if finish == "length" else f"bad stream: finish {finish}"
     except Exception as e:  # every failure is an outcome to report
         return error_text(e)
@@ -101,16 +103,37 @@ def metric(url: str, name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def post(url: str, path: str) -> int:
-    req = urllib.request.Request(f"{url}{path}", method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status
-    except OSError:
-        return 0
+def reset_prefix_cache(url: str, tries: int = 20) -> bool:
+    """POST /reset_prefix_cache until the engine did it: it refuses while
+    blocks are in use (stores in flight), answering 200 all the same."""
+    for _ in range(tries):
+        req = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                body = r.read().decode()
+        except OSError:
+            return False
+        if '"success": false' not in body.replace("\n", " "):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def settle(url: str, seconds: float = 15.0) -> dict[str, float | None]:
+    """Running and waiting requests once the engine is done (a request the
+    engine lost track of stays there)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        counts = {
+            name: metric(url, f"num_requests_{name}") for name in ("running", "waiting")
+        }
+        if not any(counts.values()) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.5)
 
 
 async def seed000(client: openai.AsyncOpenAI, url: str, args, out: dict) -> None:
+    out["planned"] = 2
     # Two 445-token prompts that share no block (token ids within the
     # model's 1024-token vocabulary).
     for stride, offset in ((7, 0), (11, 500)):
@@ -118,24 +141,33 @@ async def seed000(client: openai.AsyncOpenAI, url: str, args, out: dict) -> None
         await run_job(client, Job(prompt, 8), out)
 
 
+def hit_counts(url: str) -> tuple[float | None, float | None]:
+    """Prefix-cache hit tokens so far: (from the CPU, on the GPU)."""
+    return (
+        metric(url, "external_prefix_cache_hits_total"),
+        metric(url, "prefix_cache_hits_total"),
+    )
+
+
 async def seed002(client: openai.AsyncOpenAI, url: str, args, out: dict) -> None:
     bs = args.block_size
+    out["planned"] = 2 * args.requests
     cpu_hits, gpu_hits, full_blocks = 0.0, 0.0, 0
     for i in range(args.requests):
         prompt = [100 + 50 * i + t for t in range(2 * bs)]
         extended = prompt + [900 + t for t in range(bs + 1)]
         await run_job(client, Job(prompt, 1), out)
-        # Only the CPU may hold the prompt now. (A reset refused while
-        # stores are in flight shows as GPU hits below.)
-        await asyncio.sleep(0.5)
-        post(url, "/reset_prefix_cache")
-        before = (
-            metric(url, "external_prefix_cache_hits_total") or 0.0,
-            metric(url, "prefix_cache_hits_total") or 0.0,
-        )
+        # Only the CPU may hold the prompt now (a reset that never happened
+        # shows as GPU hits below).
+        await asyncio.to_thread(reset_prefix_cache, url)
+        before = await asyncio.to_thread(hit_counts, url)
         await run_job(client, Job(extended, 1), out)
-        cpu_hits += (metric(url, "external_prefix_cache_hits_total") or 0.0) - before[0]
-        gpu_hits += (metric(url, "prefix_cache_hits_total") or 0.0) - before[1]
+        after = await asyncio.to_thread(hit_counts, url)
+        if None in before + after:
+            out["metrics_missing"] = True
+            return
+        cpu_hits += after[0] - before[0]
+        gpu_hits += after[1] - before[1]
         full_blocks += 2
         out["cpu_hit_tokens"] = int(cpu_hits)
         out["gpu_hit_tokens"] = int(gpu_hits)
@@ -162,6 +194,8 @@ def load_jobs(n: int, max_model_len: int, seed: int = 0) -> list[Job]:
 
 async def load(client: openai.AsyncOpenAI, url: str, args, out: dict) -> None:
     gate = asyncio.Semaphore(args.concurrency)
+    jobs = load_jobs(args.requests, args.max_model_len)
+    out["planned"] = len(jobs)
 
     async def gated(job: Job) -> None:
         async with gate:
@@ -189,11 +223,12 @@ async def main_async(args) -> dict:
             WORKLOADS[args.workload](client, args.url, args, out), args.deadline
         )
     except TimeoutError:
-        # Requests still in flight at the deadline are failures too.
-        missing = out["sent"] - len(out["outcomes"])
-        out["outcomes"] += [f"no answer in {args.deadline:.0f}s"] * missing
+        # Requests in flight at the deadline, or never sent, fail.
+        missing = out.get("planned", out["sent"]) - len(out["outcomes"])
+        out["outcomes"] += [f"not answered in {args.deadline:.0f}s"] * missing
     out["seconds"] = round(time.monotonic() - start, 1)
     out["preemptions"] = metric(args.url, "num_preemptions_total")
+    out["left"] = await asyncio.to_thread(settle, args.url)
     return out
 
 
@@ -206,6 +241,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
+    # The server's --max-model-len: no prompt + output is longer.
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--deadline", type=float, default=300.0, help="seconds in all")
     print(json.dumps(asyncio.run(main_async(p.parse_args()))))

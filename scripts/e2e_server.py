@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common import ROOT, WORK, ForkError, rel
+from common import ROOT, ForkError, rel
 from testenv import tree_env
 
 MODEL_DIR = ROOT / "tests" / "harness" / "model"
@@ -35,9 +35,16 @@ ENGINE_EXCEPTION = re.compile(
 )
 
 
-def version_metadata(version: str) -> Path:
-    """A directory holding only a vllm dist-info of `version`."""
-    where = WORK / "e2e" / "metadata" / version
+# A traceback frame the EngineCore logged: `File "...", line 1, in popleft_n`.
+RAISING_FRAME = re.compile(
+    r'^\(EngineCore[^)]*\) ERROR [^\]]*\]\s+File "[^"]+", line \d+, in (\w+)$', re.M
+)
+SERVED_MODEL = "e2e"
+
+
+def version_metadata(version: str, root: Path) -> Path:
+    """A directory under `root` holding only a vllm dist-info of `version`."""
+    where = root / "metadata" / version
     dist = where / f"vllm-{version}.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
     (dist / "METADATA").write_text(
@@ -67,12 +74,26 @@ class Server:
         self.python, self.tree, self.args, self.log = python, tree, args, log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, **tree_env(tree), **env}
+        self.env = {
+            **os.environ,
+            **tree_env(tree),
+            # The model-free worker keeps request state as Model Runner V1
+            # does; vLLM picks V2 by itself where Triton works.
+            "VLLM_USE_V2_MODEL_RUNNER": "0",
+            # The fake runner's sampled tokens hash the request id: the same
+            # run samples the same tokens.
+            "PYTHONHASHSEED": "0",
+            **env,
+        }
         # `vllm serve` reads its version from the package's metadata, which a
         # tree on PYTHONPATH lacks; the model-free worker and the peer
         # scheduler import from tests/.
         self.env["PYTHONPATH"] = os.pathsep.join(
-            [str(version_metadata(version)), self.env["PYTHONPATH"], str(E2E_PATH)]
+            [
+                str(version_metadata(version, log.parent)),
+                self.env["PYTHONPATH"],
+                str(E2E_PATH),
+            ]
         )
         self.proc: subprocess.Popen | None = None
         self.started_in = 0.0
@@ -85,7 +106,7 @@ class Server:
             "serve",
             str(MODEL_DIR),
             "--served-model-name",
-            "e2e",
+            SERVED_MODEL,
             "--host",
             "127.0.0.1",
             "--port",
@@ -120,8 +141,10 @@ class Server:
         return self
 
     def _wait_ready(self, start: float) -> None:
+        # Ready when it serves our model: a 200 from /health alone could come
+        # from another process that took the port after free_port() let go.
         while time.monotonic() - start < STARTUP_SECONDS:
-            if self.health() == 200:
+            if self.health() == 200 and self.serves_model():
                 return
             if self.proc is not None and self.proc.poll() is not None:
                 raise ForkError(
@@ -137,21 +160,19 @@ class Server:
         self.stop()
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # Workers the API server started may outlive it in the same group.
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(20)
+        # EngineCore and the worker may outlive the API server (it exits by
+        # itself once its engine died): end the whole session in every case.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
 
     def health(self) -> int:
         """/health's HTTP status; 0 when nothing answers."""
@@ -163,12 +184,28 @@ class Server:
         except OSError:
             return 0
 
+    def serves_model(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as r:
+                models = json.loads(r.read())
+        except (OSError, ValueError):
+            return False
+        return any(m.get("id") == SERVED_MODEL for m in models.get("data", []))
+
     def engine_exception(self) -> str:
-        """The first exception the EngineCore logged, '' if none."""
+        """The first exception the EngineCore logged, with the function that
+        raised it ("AssertionError (in popleft_n)"); '' if none."""
         if not self.log.exists():
             return ""
-        m = ENGINE_EXCEPTION.search(self.log.read_text(errors="replace"))
-        return m.group(1).strip() if m else ""
+        return first_engine_exception(self.log.read_text(errors="replace"))
+
+
+def first_engine_exception(log: str) -> str:
+    m = ENGINE_EXCEPTION.search(log)
+    if not m:
+        return ""
+    frames = RAISING_FRAME.findall(log, 0, m.start())
+    return m.group(1).strip() + (f" (in {frames[-1]})" if frames else "")
 
 
 def read_json_lines(path: Path) -> list[dict]:

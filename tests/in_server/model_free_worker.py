@@ -9,9 +9,10 @@ is the real server: the OpenAI API server, EngineCore, the Scheduler, the
 KV cache manager and the connector's scheduler side.
 
 KV cache specs: one full-attention layer, plus one sliding-window layer
-when VLLM_FORK_E2E_HYBRID=1 (serve with --no-disable-hybrid-kv-cache-manager
-and VLLM_FORK_CPU_HYBRID=1). The pool's size is --num-gpu-blocks-override.
-Stores complete VLLM_FORK_E2E_STORE_DELAY worker steps after launch.
+when VLLM_FORK_E2E_HYBRID=1 (serve with --no-disable-hybrid-kv-cache-manager:
+with a KV connector vLLM turns the hybrid manager off unless asked). The
+pool's size is --num-gpu-blocks-override. Stores complete
+VLLM_FORK_E2E_STORE_DELAY worker steps after launch.
 
 Every content-tag violation (a block read that does not hold what the
 request's tokens say) is appended to the JSON-lines file named by
@@ -67,6 +68,17 @@ class TokenRecord:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+
+def gpu_total_bytes(kv_cache_config: KVCacheConfig) -> int:
+    """The GPU KV cache's size as the release's offload connector counts it:
+    from 0.33 every tensor places layers in one allocation (so the first
+    one's size); before, the scheduler side summed the tensors."""
+    try:
+        from vllm.v1.simple_kv_offload.sizing import gpu_total_bytes as release_own
+    except ImportError:
+        return sum(t.size for t in kv_cache_config.kv_cache_tensors)
+    return release_own(kv_cache_config)
 
 
 class ModelFreeWorker(WorkerBase):
@@ -136,11 +148,14 @@ class ModelFreeWorker(WorkerBase):
         transfer = self.vllm_config.kv_transfer_config
         extra = transfer.kv_connector_extra_config if transfer else {}
         num_gpu_blocks = kv_cache_config.num_blocks
-        gpu_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
-        # As the connector's scheduler side sizes the CPU pool.
-        num_cpu_blocks = max(
-            1, num_gpu_blocks * int(extra.get("cpu_bytes_to_use", 0)) // gpu_bytes
-        )
+        num_cpu_blocks = 0
+        if transfer is not None:
+            if "cpu_bytes_to_use" not in extra:
+                raise ValueError("the e2e servers give the connector cpu_bytes_to_use")
+            # As the release sizes the CPU pool (one rank).
+            cpu_bytes = int(extra["cpu_bytes_to_use"])
+            gpu_bytes = gpu_total_bytes(kv_cache_config)
+            num_cpu_blocks = max(1, num_gpu_blocks * cpu_bytes // gpu_bytes)
         self.cfg = HarnessConfig(
             block_size=self.cache_config.block_size,
             num_gpu_blocks=num_gpu_blocks,
@@ -173,12 +188,18 @@ class ModelFreeWorker(WorkerBase):
 
     def execute_model(self, scheduler_output: Any) -> None:
         so = scheduler_output
+        # Block copies (copy-on-write of a partial hit) and zeroing are work
+        # this worker does not do: stop rather than report false violations.
+        for unsupported in ("kv_cache_block_copies", "new_block_ids_to_zero"):
+            if getattr(so, unsupported, None):
+                raise NotImplementedError(f"the model-free worker got {unsupported}")
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = TokenRecord(
-                new.req_id, list(new.prompt_token_ids or [])
-            )
+            # Model Runner V2 sends a resumed request as new, with all its
+            # tokens in prefill_token_ids.
+            tokens = new.prefill_token_ids or new.prompt_token_ids or []
+            self.requests[new.req_id] = TokenRecord(new.req_id, list(tokens))
         out = worker_step(self.offload, self.runner, self.cuda, so, self._steps)
         self._steps += 1
         for req_id, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):

@@ -38,17 +38,19 @@ class PeerScheduler(Scheduler):
             self._struck_at = None
         if self._struck_at is None and not self.peer.armed and self._steps % EVERY == 0:
             self.peer.arm()
-        strikes = len(self.peer.strikes)
+        strikes, held = len(self.peer.strikes), len(self.peer.held)
         try:
             return super().schedule(*args, **kwargs)
         finally:
             if len(self.peer.strikes) > strikes:
                 self._struck_at = self._steps
-                self._record(self.peer.strikes[-1])
+                _, asked = self.peer.strikes[-1]
+                self._record(asked, took=len(self.peer.held) - held)
 
-    def _record(self, strike: tuple[int, int]) -> None:
+    def _record(self, asked: int, took: int) -> None:
+        """One strike: the blocks the grab asked for, and those the peer
+        took just before it (0: the pool had too few to leave it short)."""
         if self._log:
-            call, asked = strike
-            line = {"step": self._steps, "asked": asked, "held": len(self.peer.held)}
+            line = {"step": self._steps, "asked": asked, "took": took}
             with open(self._log, "a") as f:
                 f.write(json.dumps(line) + "\n")
