@@ -200,11 +200,14 @@ class ModelFreeWorker(WorkerBase):
             # tokens in prefill_token_ids.
             tokens = new.prefill_token_ids or new.prompt_token_ids or []
             self.requests[new.req_id] = TokenRecord(new.req_id, list(tokens))
-        out = worker_step(self.offload, self.runner, self.cuda, so, self._steps)
+        try:
+            out = worker_step(self.offload, self.runner, self.cuda, so, self._steps)
+        finally:
+            # Even when the step raised: what it read wrong is reported.
+            self._report()
         self._steps += 1
         for req_id, tokens in zip(out.req_ids, out.sampled_token_ids, strict=True):
             self.requests[req_id].all_token_ids.extend(tokens)
-        self._report()
         self._pending = out
         return None
 
