@@ -76,6 +76,13 @@ def differential_command(series_dir: Path, tree: str, out: str) -> list[str]:
 
 # (patch subject fragment, the mutated line stripped, operator) -> why the
 # mutant cannot change behaviour.
+EXTERNAL_LATER = (
+    "with the external-token blocks not taken here, allocate_slots's "
+    "allocate_new_blocks takes them next: the same number from the same free "
+    "queue, after every group touched its hits (0007's order holds), refused "
+    "and given back the same way; only which block ids each group gets "
+    "differs, and nothing depends on ids"
+)
 CLAMP = (
     "the clamped count is only tested for > 0 below: it is positive exactly "
     "when some computed token is not skipped, with or without the clamp (a "
@@ -105,6 +112,41 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "num_total_computed_tokens - num_skipped_tokens,",
         "core/ReplaceBinaryOperator_Sub_Add",
     ): CLAMP,
+    **{
+        ("touch every group's prefix hits", src, op): why
+        for src, op, why in [
+            ("if num_skipped_tokens // self.block_size > 0:", "core/AddNot", CLAMP),
+            (
+                "if num_skipped_tokens // self.block_size > 0:",
+                "core/NumberReplacer",
+                CLAMP,
+            ),
+            ("if num_external_computed_tokens > 0:", "core/AddNot", EXTERNAL_LATER),
+            (
+                "if num_external_computed_tokens > 0:",
+                "core/NumberReplacer",
+                "> -1 runs the step for 0 external tokens, which takes no block; "
+                "> 1 leaves a single external token's block to allocate_slots: "
+                + EXTERNAL_LATER,
+            ),
+            (
+                "if num_external_computed_tokens > 0:",
+                "core/ReplaceComparisonOperator_Gt_GtE",
+                "with 0 external tokens every group's step takes no block",
+            ),
+            (
+                "for group, (manager, fresh) in enumerate(",
+                "core/ZeroIterationForLoop",
+                EXTERNAL_LATER,
+            ),
+            (
+                "group = 0",
+                "core/NumberReplacer",
+                "enumerate() sets group before anything in the loop can raise; "
+                "the first value is never read",
+            ),
+        ]
+    },
     (
         "Store the final blocks of a request",
         "return bool(self._store_event_to_blocks or self._finish_flushes)",
@@ -337,7 +379,9 @@ def outcomes(tree: Path, base_tag: str, session: Path) -> list[OperatorMutant]:
             ),
             None,
         )
-        if why is not None:
+        # A claim is about the mutants a line's text names: one on another
+        # line with the same text that a test kills stays killed.
+        if why is not None and tested != "killed":
             mutant.state, mutant.detail = "equivalent", why
         elif worker != "normal" or tested == "incompetent":
             mutant.state = "incompetent"

@@ -188,6 +188,27 @@ def test_a_lying_count_is_corruption_not_a_refusal():
     assert manager.num_refusals == 0
 
 
+@pytest.mark.parametrize("layout", [("full", "swa"), ("swa", "full")])
+def test_a_lying_count_met_by_external_blocks_names_the_group(layout):
+    # The same corruption found while taking the blocks for a connector's
+    # external tokens (allocate_new_computed_blocks), before allocate_slots
+    # allocates anything else: the error names the group that found it.
+    manager = make_manager(layout, num_blocks=24)
+    queue = manager.block_pool.free_block_queue
+    queue.num_free_blocks += 6
+    # 22 full-attention blocks and a window's few: more than the 23 linked,
+    # within the 29 counted.
+    req = make_request("r0", list(range(16 * 24)))
+    with pytest.raises(Exception) as info:
+        manager.allocate_slots(
+            req, 0, num_external_computed_tokens=16 * 22, delay_cache_blocks=True
+        )
+    err = info.value
+    assert type(err).__name__ == "KVCacheCorruptionError", repr(err)
+    assert re.match(r"KV cache group [01]: ", str(err)), str(err)
+    assert "links only" in str(err)
+
+
 def assert_manager_ok_but_count(manager: KVCacheManager, extra: int) -> None:
     """Nothing was taken: only the planted miscount is left."""
     manager.block_pool.free_block_queue.num_free_blocks -= extra

@@ -123,3 +123,20 @@ def test_cross_attention_takes_no_blocks_for_external_tokens():
     assert (full, cross) == (5, 2)
     manager.free(req)
     assert_manager_ok(manager, all_done=True)
+
+
+def test_one_groups_allocate_new_computed_blocks_still_does_all_three_steps():
+    """The single-group entry point (upstream's own tests call it) still
+    registers the request, takes the blocks for its external tokens and
+    says whether it registered it; a request it knows gets nothing."""
+    manager = make_layout_manager(("full",), 32, BS, max_model_len=1024)
+    group = manager.coordinator.single_type_managers[0]
+    free = manager.block_pool.get_num_free_blocks()
+    assert group.allocate_new_computed_blocks("r0", [], 0, 3 * BS) is True
+    blocks = group.req_to_blocks["r0"]
+    assert len(blocks) == 3
+    assert group.new_block_ids[-3:] == [b.block_id for b in blocks]
+    assert manager.block_pool.get_num_free_blocks() == free - 3
+    assert group.allocate_new_computed_blocks("r0", [], 0, 3 * BS) is False
+    assert len(group.req_to_blocks["r0"]) == 3
+    assert manager.block_pool.get_num_free_blocks() == free - 3
