@@ -76,6 +76,10 @@ def differential_command(series_dir: Path, tree: str, out: str) -> list[str]:
 
 # (patch subject fragment, the mutated line stripped, operator) -> why the
 # mutant cannot change behaviour.
+TAIL_SPECIAL_CASE = (
+    "linking the fake tail back as the last popped block, then None after it, "
+    "is what the special case does (it is redundant: a follow-up)"
+)
 EXTERNAL_LATER = (
     "with the external-token blocks not taken here, allocate_slots's "
     "allocate_new_blocks takes them next: the same number from the same free "
@@ -162,8 +166,12 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "Typed KV block pool errors",
         "if popped and popped[-1] is self.fake_free_list_tail:",
         "core/AddNot",
-    ): "linking the fake tail back as the last popped block, then None after "
-    "it, is what the special case does (it is redundant: a follow-up)",
+    ): TAIL_SPECIAL_CASE,
+    (
+        "Typed KV block pool errors",
+        "if popped and popped[-1] is self.fake_free_list_tail:",
+        "core/NumberReplacer",
+    ): TAIL_SPECIAL_CASE,
 }
 
 

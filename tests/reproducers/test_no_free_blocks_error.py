@@ -71,6 +71,23 @@ def test_pop_from_miscounted_queue_changes_nothing():
         queue.popleft_n(4)
 
 
+@pytest.mark.parametrize(
+    ("linked", "listed"),
+    [
+        (10, "0, 1, 2, 3, 4, 5, 6, 7, 8, 9"),
+        (11, "0, 1, 2, 3, 4, ..., 6, 7, 8, 9, 10"),
+    ],
+)
+def test_the_message_lists_up_to_ten_block_ids(linked, listed):
+    # Ten ids are named; more are cut to the first and last five, so that a
+    # large pool's message stays one line.
+    queue, _ = make_queue(linked)
+    queue.num_free_blocks += 2
+    with pytest.raises(Exception) as info:
+        queue.popleft_n(linked + 1)
+    assert f"block ids {listed}; asked for {linked + 1}" in str(info.value)
+
+
 @pytest.mark.parametrize("miscount", [1, -1], ids=["count-high", "count-low"])
 def test_pop_that_ends_where_the_count_disagrees_changes_nothing(miscount):
     # A pop that stays inside the list still shows a wrong count when it
