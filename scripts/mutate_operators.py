@@ -76,6 +76,11 @@ def differential_command(series_dir: Path, tree: str, out: str) -> list[str]:
 
 # (patch subject fragment, the mutated line stripped, operator) -> why the
 # mutant cannot change behaviour.
+PREFILL_ENDS = (
+    "a request whose chunk ends its prefill would be in the set only until "
+    "_update_after_schedule at the end of the same schedule(), and it holds "
+    "the blocks of its whole prompt by then, so it reserves none meanwhile"
+)
 TAIL_SPECIAL_CASE = (
     "linking the fake tail back as the last popped block, then None after it, "
     "is what the special case does (it is redundant: a follow-up)"
@@ -103,9 +108,19 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "admit an async KV load",
         "if num_computed_tokens + num_new_tokens < request.num_tokens:",
         "core/ReplaceComparisonOperator_Lt_LtE",
-    ): "a request whose chunk ends its prefill would be in the set only until "
-    "_update_after_schedule at the end of the same schedule(), and it holds "
-    "the blocks of its whole prompt by then, so it reserves none meanwhile",
+    ): PREFILL_ENDS,
+    (
+        "admit an async KV load",
+        "if num_computed_tokens + num_new_tokens < request.num_tokens:",
+        "core/ReplaceBinaryOperator_Add_Sub",
+    ): PREFILL_ENDS,
+    (
+        "admit an async KV load",
+        "num_encoder_tokens=0,",
+        "core/NumberReplacer",
+    ): "an in-flight prefill was scheduled, so it holds every cross-attention "
+    "block (taken whole at its first step) and counts as running there: any "
+    "encoder count from -1 to 1 asks max(..., 0) = 0 more blocks",
     (
         "touch every group's prefix hits",
         "if num_skipped_tokens // self.block_size > 0:",

@@ -251,3 +251,40 @@ def test_a_preempted_prefill_reserves_nothing():
     assert {a, c} <= e.stats.finished
     assert e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_an_async_load_that_fits_exactly_beside_an_inflight_prefill_is_admitted():
+    """The boundary of the case above: A's prompt is one block shorter, so
+    after A's first chunk B's load of 24 leaves exactly the 35 blocks A
+    still needs. B is admitted then, while A prefills, and nothing is
+    preempted. (A samples one token: its prompt fills its last block, and a
+    second token would need a block no reservation promised.)"""
+    e = engine_with_prefix_b_on_cpu(load_delay=10, chunk=4 * BS)
+    a = e.add_request([8000 + t for t in range(39 * BS)], max_tokens=1)
+    e.step()
+    b = e.add_request(LOAD_B + [6] * (6 * BS), max_tokens=2)
+    e.step()
+    loads = [x for x in e.copy_backend.launched if not x["is_store"]]
+    assert loads, "B's load should start beside A's prefill"
+    assert e.requests[a].num_computed_tokens < e.requests[a].num_tokens
+    e.run(max_steps=300, after_step=check_inflight_prefills)
+    assert {a, b} <= e.stats.finished
+    assert e.stats.preemptions == 0
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_a_prompt_may_take_the_last_free_block():
+    """Admission reserves nothing when no load is in play: a prompt that
+    needs every free block is admitted at once."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS, num_gpu_blocks=9, offload=False, max_num_batched_tokens=128
+        )
+    )
+    whole = e.add_request([100 + t for t in range(8 * BS)], max_tokens=1)
+    e.step()
+    assert e.requests[whole].num_computed_tokens == 8 * BS
+    e.run(max_steps=20)
+    assert whole in e.stats.finished
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
