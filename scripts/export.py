@@ -4,9 +4,10 @@
 For every patch that is not already upstream, rebased onto an upstream ref
 (default: main of vLLM on GitHub, or of a local clone given by --upstream):
   - a branch export/<patch> in the tree (default vllm/): one commit, the
-    patch applied with `git am -3`, its message without the fork's trailers
-    and with a `Signed-off-by:` line of whoever runs export (git config
-    user.name and user.email: vLLM requires the DCO);
+    patch applied with `git am -3`, its message without the fork's trailers,
+    authored and signed off (`Signed-off-by:`) by whoever runs export (git
+    config user.name and user.email: vLLM's DCO check wants the author's
+    sign-off), the patch's own author kept as `Co-authored-by:`; checked;
   - the commit as dist/export/<patch>.patch, and a draft PR description
     dist/export/<patch>.md (vLLM's template: purpose from the patch's
     message, the issue it fixes, the reproducer test and how to run it);
@@ -112,8 +113,11 @@ def resolve_onto(tree: Path, onto: str, upstream: str | None) -> str:
     return git(tree, "rev-parse", "FETCH_HEAD^{commit}")
 
 
-def upstream_message(message: str, signer: str, tree: Path) -> str:
-    """The commit message for upstream: fork trailers out, sign-off in."""
+def upstream_message(
+    message: str, signer: str, tree: Path, author: str | None = None
+) -> str:
+    """The commit message for upstream: fork trailers out, sign-off in, and
+    the patch's author credited as co-author when someone else exports it."""
     paragraphs = message.rstrip().split("\n\n")
     last = [
         line
@@ -122,15 +126,27 @@ def upstream_message(message: str, signer: str, tree: Path) -> str:
     ]
     paragraphs[-1] = "\n".join(last)
     text = "\n\n".join(p for p in paragraphs if p.strip()) + "\n"
+    trailers = [f"Signed-off-by: {signer}"]
+    if author and author != signer:
+        trailers.insert(0, f"Co-authored-by: {author}")
+    args = [a for t in trailers for a in ("--trailer", t)]
     return git(
-        tree,
-        "interpret-trailers",
-        "--if-exists",
-        "addIfDifferent",
-        "--trailer",
-        f"Signed-off-by: {signer}",
-        input=text,
+        tree, "interpret-trailers", "--if-exists", "addIfDifferent", *args, input=text
     )
+
+
+def dco_problems(worktree: Path, commit: str, signer: str) -> list[str]:
+    """vLLM's DCO check: the commit's author signed it off. Export makes the
+    one who runs it the author (the patch's author is credited as co-author),
+    so both must name `signer`."""
+    author = git(worktree, "log", "-1", "--format=%an <%ae>", commit)
+    body = git(worktree, "log", "-1", "--format=%B", commit)
+    problems = []
+    if author != signer:
+        problems.append(f"DCO: the author is {author}, not {signer} who signs off")
+    if f"Signed-off-by: {signer}" not in body.splitlines():
+        problems.append(f"DCO: no 'Signed-off-by: {signer}' line")
+    return problems
 
 
 def free_branch(tree: Path, name: str, commit: str) -> tuple[str, str]:
@@ -283,10 +299,21 @@ def apply_one(worktree: Path, patch: Patch, signer: str) -> str | None:
     if am.returncode != 0:
         run(["git", "-C", worktree, "am", "--abort"], check=False)
         return None
+    author = git(worktree, "log", "-1", "--format=%an <%ae>")
     message = upstream_message(
-        git(worktree, "log", "-1", "--format=%B"), signer, worktree
+        git(worktree, "log", "-1", "--format=%B"), signer, worktree, author
     )
-    git(worktree, "commit", "-q", "--amend", "--no-verify", "-F", "-", input=message)
+    git(
+        worktree,
+        "commit",
+        "-q",
+        "--amend",
+        "--no-verify",
+        "--reset-author",
+        "-F",
+        "-",
+        input=message,
+    )
     return git(worktree, "rev-parse", "HEAD")
 
 
@@ -339,6 +366,7 @@ def export_series(
                     + ("" if stack else "\n  (or try --stack if it needs earlier ones)")
                 )
                 continue
+            result.problems += dco_problems(wt, commit, signer)
             result.problems += lint(wt, start)
             stem = patch.name.removesuffix(".patch")
             result.branch, result.note = free_branch(tree, stem, commit)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common import ROOT, ForkError, git, git_ok
-from export import export_series
+from export import dco_problems, export_series
 from refresh import format_patches
 from series import FORK_TRAILERS, Series
 from shipenv import blob_text, commit_files, shared_clone
@@ -118,7 +118,10 @@ def test_each_outcome(synthetic, upstream, work_tree, tmp_path, git_identity):
     assert msg.startswith("[Core] Add a constant\n\nGood patch.")
     assert msg.rstrip().endswith(f"Signed-off-by: {git_identity}")
     assert not any(f"{t}:" in msg for t in FORK_TRAILERS)
-    assert git(work_tree, "log", "-1", "--format=%an", good.branch) == "Up Stream"
+    # vLLM's DCO check: the author signed off; the patch's author is credited.
+    author = git(work_tree, "log", "-1", "--format=%an <%ae>", good.branch)
+    assert author == git_identity
+    assert "Co-authored-by: Up Stream <" in msg
     patch_file, pr = good.files
     assert patch_file.name == "0001-Core-Add-a-constant.patch"
     assert f"Signed-off-by: {git_identity}" in patch_file.read_text()
@@ -210,3 +213,11 @@ def test_cli_help():
         text=True,
     )
     assert proc.returncode == 0 and "--onto" in proc.stdout
+
+
+def test_dco_wants_the_author_to_sign_off(work_tree, git_identity):
+    head = git(work_tree, "rev-parse", "HEAD")
+    theirs = commit_files(work_tree, head, {"NOTES": "x\n"}, "theirs")
+    problems = dco_problems(work_tree, theirs, git_identity)
+    assert any("the author is" in p for p in problems)
+    assert any("no 'Signed-off-by: Ada Tester" in p for p in problems)
