@@ -45,8 +45,8 @@ wheel: ## patched wheel from upstream's released one, into dist/
 overlay: ## container build context over upstream's image, into dist/
 	$(PYTHON) scripts/container.py --series $(SERIES) $(ARGS)
 
-export: apply ## a branch, .patch and PR text per patch for upstream (ARGS=--onto/--upstream)
-	$(PYTHON) scripts/export.py --series $(SERIES) --tree $(TREE) $(ARGS)
+export: venv ## the newest series as upstream PRs: branch, .patch, PR text, vLLM's checks (ARGS=--onto/--upstream)
+	$(PYTHON) scripts/export.py $(ARGS)
 
 import: ## add an upstream fix as the next patch (ARGS="--repo CLONE RANGE" or ARGS=FILE)
 	$(PYTHON) scripts/import_patch.py --series $(SERIES) $(ARGS)

@@ -6,6 +6,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -113,6 +114,13 @@ def git_bytes(repo: Path, *args: str | os.PathLike) -> bytes:
 
 def git_ok(repo: Path, *args: str) -> bool:
     return run(["git", "-C", repo, *args], check=False).returncode == 0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rel(path: Path) -> str:

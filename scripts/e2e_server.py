@@ -14,14 +14,13 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-from common import ROOT, ForkError, rel
+from common import ROOT, ForkError, free_port, rel
 from testenv import tree_env
 
 MODEL_DIR = ROOT / "tests" / "harness" / "model"
@@ -51,12 +50,6 @@ def version_metadata(version: str, root: Path) -> Path:
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
     )
     return where
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

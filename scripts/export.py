@@ -11,9 +11,15 @@ For every patch that is not already upstream, rebased onto an upstream ref
   - the commit as dist/export/<patch>.patch, and a draft PR description
     dist/export/<patch>.md (vLLM's template: purpose from the patch's
     message, the issue it fixes, the reproducer test and how to run it);
-  - a check of its Python files with the upstream ref's own ruff settings
-    (ruff check and ruff format, as vLLM's pre-commit runs them) and of the
-    SPDX header every new file needs.
+  - the checks vLLM's pre-commit and CI would make (export_checks.py): the
+    DCO sign-off; ruff check and ruff format with the ref's own settings and
+    the SPDX header of new files; mypy as the pre-commit hook runs it; the
+    tests the patch adds under tests/ fail on the ref and pass on the branch,
+    and tests/v1/core and tests/v1/simple_kv_offload lose no passing test
+    (--no-tests skips mypy and the tests).
+By default it exports the newest release's series (the closest to upstream
+main that there is) from .work/v<release>/series; point --upstream at a
+clone of vLLM and --onto at its main to export onto main.
 Patches whose Upstream-Status starts with "upstream" or "backport" (the fix
 is in a later upstream release) are skipped with a line saying so.
 
@@ -33,11 +39,15 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import export_checks
+
+from apply import apply_series
 from common import (
     DEFAULT_SERIES,
     DEFAULT_TREE,
     DIST,
     ROOT,
+    WORK,
     ForkError,
     fresh_output_dir,
     git,
@@ -50,12 +60,10 @@ from common import (
     step,
 )
 from refresh import format_patches
-from run_tests import ruff
-from series import FORK_TRAILERS, TRAILER_RE, Patch, Series
-from venv import TEST_REQS, VENV, pip_install
+from series import FORK_TRAILERS, TRAILER_RE, Patch, Series, find_series
+from venv import TEST_REQS, VENV, pip_install, release_venv
 
 BRANCH_PREFIX = "export/"
-SPDX_HEADER = "# SPDX-License-Identifier: Apache-2.0"
 ISSUE_RE = re.compile(r"^(?:([\w.-]+/[\w.-]+))?#(\d+)$")
 UPSTREAM_REPO = "vllm-project/vllm"
 
@@ -135,20 +143,6 @@ def upstream_message(
     )
 
 
-def dco_problems(worktree: Path, commit: str, signer: str) -> list[str]:
-    """vLLM's DCO check: the commit's author signed it off. Export makes the
-    one who runs it the author (the patch's author is credited as co-author),
-    so both must name `signer`."""
-    author = git(worktree, "log", "-1", "--format=%an <%ae>", commit)
-    body = git(worktree, "log", "-1", "--format=%B", commit)
-    problems = []
-    if author != signer:
-        problems.append(f"DCO: the author is {author}, not {signer} who signs off")
-    if f"Signed-off-by: {signer}" not in body.splitlines():
-        problems.append(f"DCO: no 'Signed-off-by: {signer}' line")
-    return problems
-
-
 def free_branch(tree: Path, name: str, commit: str) -> tuple[str, str]:
     """A branch name to put `commit` on that clobbers nothing, and a note."""
     branch = BRANCH_PREFIX + name
@@ -172,24 +166,6 @@ def free_branch(tree: Path, name: str, commit: str) -> tuple[str, str]:
             f"this export is {branch}"
         )
     return branch, note
-
-
-def lint(worktree: Path, onto: str) -> list[str]:
-    """vLLM's checks of the changed Python files, with the ref's own settings."""
-    files = git(
-        worktree, "diff", "--name-only", "--diff-filter=d", onto, "HEAD", "--", "*.py"
-    ).split()
-    problems = []
-    ok, detail = ruff(files, worktree)
-    if not ok:
-        problems.append(f"ruff (vLLM's settings): {detail}")
-    added = git(
-        worktree, "diff", "--name-only", "--diff-filter=A", onto, "HEAD", "--", "*.py"
-    ).split()
-    for f in added:
-        if SPDX_HEADER not in (worktree / f).read_text().splitlines()[:3]:
-            problems.append(f"{f}: a new file needs vLLM's SPDX header ({SPDX_HEADER})")
-    return problems
 
 
 def test_source(test_id: str) -> str | None:
@@ -219,7 +195,12 @@ def issue_line(issue: str) -> str:
 
 
 def pr_description(
-    patch: Patch, message: str, base_version: str, onto: str, lint_ok: bool
+    patch: Patch,
+    message: str,
+    base_version: str,
+    onto: str,
+    lint_ok: bool,
+    checks: list[str] | None = None,
 ) -> str:
     """A draft PR description in vLLM's template, from the patch's message."""
     subject, _, body = message.partition("\n\n")
@@ -273,6 +254,13 @@ def pr_description(
         f"onto {onto[:12]}"
         + ("; the changed files pass vLLM's ruff settings there." if lint_ok else "."),
         "",
+        *(
+            ["Checked on the exported branch, as vLLM's pre-commit and CI would:", ""]
+            + [f"- {c}" for c in checks]
+            + [""]
+            if checks
+            else []
+        ),
         "---",
         "<details>",
         "<summary> Essential Elements of an Effective PR Description Checklist "
@@ -291,7 +279,9 @@ def pr_description(
 
 
 def apply_one(worktree: Path, patch: Patch, signer: str) -> str | None:
-    """Apply `patch` at the worktree's HEAD and sign it off; None if it fails."""
+    """Apply `patch` at the worktree's HEAD and sign it off; None if it
+    fails. The HEAD it started from when the change is already there."""
+    before = git(worktree, "rev-parse", "HEAD")
     am = run(
         ["git", "-C", worktree, "am", "-q", "-3", "--keep-non-patch", patch.path],
         check=False,
@@ -299,6 +289,8 @@ def apply_one(worktree: Path, patch: Patch, signer: str) -> str | None:
     if am.returncode != 0:
         run(["git", "-C", worktree, "am", "--abort"], check=False)
         return None
+    if git(worktree, "rev-parse", "HEAD") == before:
+        return before
     author = git(worktree, "log", "-1", "--format=%an <%ae>")
     message = upstream_message(
         git(worktree, "log", "-1", "--format=%B"), signer, worktree, author
@@ -325,7 +317,10 @@ def export_series(
     out: Path,
     only: list[str] | None = None,
     stack: bool = False,
+    python: Path | None = None,
 ) -> list[Exported]:
+    """Export each patch; `python` (an environment meeting the release's
+    requirements) also runs the tests and mypy checks (export_checks)."""
     if not (tree / ".git").exists():
         raise ForkError(f"{rel(tree)}/ is not a git checkout: run `make apply` first")
     signer = signoff_identity(tree)
@@ -357,6 +352,13 @@ def export_series(
                 git(wt, "checkout", "-q", "--detach", onto)
             start = git(wt, "rev-parse", "HEAD")
             commit = apply_one(wt, patch, signer)
+            if commit == start:
+                result.problems.append(
+                    f"changes nothing on {onto_ref} ({onto[:12]}): it is there "
+                    "already (is --onto the fork's own branch or tag? export "
+                    "onto upstream's, e.g. upstream/v<release> or main)"
+                )
+                continue
             if commit is None:
                 t, branch = rel(tree), BRANCH_PREFIX + patch.name.removesuffix(".patch")
                 result.problems.append(
@@ -366,9 +368,16 @@ def export_series(
                     + ("" if stack else "\n  (or try --stack if it needs earlier ones)")
                 )
                 continue
-            result.problems += dco_problems(wt, commit, signer)
-            result.problems += lint(wt, start)
             stem = patch.name.removesuffix(".patch")
+            checks = [
+                export_checks.dco(wt, commit, signer),
+                export_checks.lint(wt, start),
+            ]
+            if python is not None:
+                checks.append(export_checks.mypy(wt, start))
+                checks.append(export_checks.tests(wt, start, series, python, stem))
+            result.problems += [p for c in checks for p in c.problems]
+            summaries = [c.summary for c in checks if not c.problems and c.summary]
             result.branch, result.note = free_branch(tree, stem, commit)
             made = format_patches(wt, [commit], out, start=patch.number)
             desc = out / (made[0].stem + ".md")
@@ -379,6 +388,7 @@ def export_series(
                     base_version,
                     onto,
                     not result.problems,
+                    summaries,
                 )
             )
             result.files = [made[0], desc]
@@ -395,14 +405,14 @@ def main() -> int:
     p.add_argument(
         "--series",
         type=Path,
-        default=DEFAULT_SERIES,
-        help="series directory (default: patches/)",
+        help="series directory (default: the newest release's, the closest "
+        "to upstream main)",
     )
     p.add_argument(
         "--tree",
         type=Path,
-        default=DEFAULT_TREE,
-        help="git checkout to make the branches in (default: vllm/)",
+        help="git checkout to make the branches in (default: vllm/ for "
+        "patches/, else .work/v<release>/series, built if missing)",
     )
     p.add_argument(
         "--onto",
@@ -431,15 +441,33 @@ def main() -> int:
         action="store_true",
         help="export each patch on top of the previous ones",
     )
+    p.add_argument(
+        "--no-tests",
+        action="store_true",
+        help="skip the slow checks: mypy and the tests (base and branch)",
+    )
     args = p.parse_args()
+    series = Series(args.series.resolve()) if args.series else find_series()[-1]
+    tree = args.tree
+    if tree is None and series.dir == DEFAULT_SERIES:
+        tree = DEFAULT_TREE
+    elif tree is None:
+        tree = WORK / f"v{series.base().version}" / "series"
+        apply_series(series, tree)
+    python = None
+    if not args.no_tests:
+        python = release_venv(
+            series.base().version, tree.resolve() / "requirements" / "common.txt"
+        )
     results = export_series(
-        Series(args.series.resolve()),
-        args.tree.resolve(),
+        series,
+        tree.resolve(),
         args.onto,
         args.upstream,
         args.out.resolve(),
         args.patch,
         args.stack,
+        python,
     )
     failed = [r for r in results if r.problems]
     say("")

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, WORK, ForkError, git, run
+from common import ROOT, WORK, ForkError, free_port, git, run
 from testenv import tree_env
 
 COSMIC_RAY = "cosmic-ray==8.7.0"
@@ -214,12 +214,6 @@ def cosmic_ray_venv() -> Path:
         run([sys.executable, "-m", "venv", str(VENV)])
         run([str(bin_dir / "pip"), "install", "-q", COSMIC_RAY])
     return bin_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(

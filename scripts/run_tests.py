@@ -104,11 +104,13 @@ def both_trees(
     args: list[str],
     cwd_base: Path | None = None,
 ) -> tuple[dict, dict]:
-    """Run pytest on the base and patched trees at once (two cores)."""
+    """Run pytest on the base and patched trees at once (two cores); logs
+    are LOGS/<label>-v<version>-<base|series>.*."""
 
     def one(kind: str, tree: Path) -> dict[str, str]:
         junit = LOGS / f"{label}-v{trees.version}-{kind}.xml"
         log = LOGS / f"{label}-v{trees.version}-{kind}.log"
+        junit.parent.mkdir(parents=True, exist_ok=True)
         junit.unlink(missing_ok=True)
         run_pytest(python, tree, cwd_base or tree, junit, args, log)
         return read_junit(junit)
@@ -119,10 +121,12 @@ def both_trees(
         return base.result(), patched.result()
 
 
-def upstream_tests(python: Path, trees: Trees) -> tuple[bool, str]:
-    base, patched = both_trees(python, trees, "upstream", UPSTREAM_TESTS)
+def upstream_tests(
+    python: Path, trees: Trees, label: str = "upstream"
+) -> tuple[bool, str]:
+    base, patched = both_trees(python, trees, label, UPSTREAM_TESTS)
     if not base or not patched:
-        return False, f"no results: see {rel(LOGS)}/upstream-*.log"
+        return False, f"no results: see {rel(LOGS)}/{label}-*.log"
     regressions = sorted(
         t for t, o in base.items() if o == "passed" and patched.get(t) != "passed"
     )

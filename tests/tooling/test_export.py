@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from export_checks import dco, mypy_hook_requirements
 
 from common import ROOT, ForkError, git, git_ok
-from export import dco_problems, export_series
+from export import export_series
 from refresh import format_patches
 from series import FORK_TRAILERS, Series
 from shipenv import blob_text, commit_files, shared_clone
@@ -218,6 +219,32 @@ def test_cli_help():
 def test_dco_wants_the_author_to_sign_off(work_tree, git_identity):
     head = git(work_tree, "rev-parse", "HEAD")
     theirs = commit_files(work_tree, head, {"NOTES": "x\n"}, "theirs")
-    problems = dco_problems(work_tree, theirs, git_identity)
+    problems = dco(work_tree, theirs, git_identity).problems
     assert any("the author is" in p for p in problems)
     assert any("no 'Signed-off-by: Ada Tester" in p for p in problems)
+
+
+def test_exporting_onto_the_forks_own_tree_is_a_clear_error(
+    series, tree, work_tree, tmp_path, git_identity
+):
+    # The fork's head already holds every patch (0006 is the last one not
+    # upstream, so it applies as a no-op there): nothing to export onto it.
+    head = git(tree, "rev-parse", "HEAD")
+    git(work_tree, "fetch", "-q", str(tree), head)
+    result = export_series(series, work_tree, head, None, tmp_path / "out", ["0006"])[0]
+    assert result.branch == ""
+    assert "changes nothing on" in result.problems[0]
+    assert "upstream/v<release>" in result.problems[0]
+
+
+def test_the_mypy_hook_is_read_from_the_trees_pre_commit_config(tmp_path):
+    (tmp_path / ".pre-commit-config.yaml").write_text(
+        "repos:\n- repo: local\n  hooks:\n"
+        "  - id: mypy\n    entry: python tools/pre_commit/mypy.py 3.11\n"
+        '    additional_dependencies: ["mypy==1.20.2", regex, types-PyYAML]\n'
+        "  - id: other\n    additional_dependencies: [nothing]\n"
+    )
+    assert mypy_hook_requirements(tmp_path) == ["mypy==1.20.2", "regex", "types-PyYAML"]
+    (tmp_path / ".pre-commit-config.yaml").write_text("repos: []\n")
+    with pytest.raises(ForkError, match="no mypy hook"):
+        mypy_hook_requirements(tmp_path)
