@@ -209,9 +209,13 @@ def find_series(dirs: list[Path] | None = None) -> list[Series]:
     if dirs:
         return [Series(d.resolve()) for d in dirs]
     found = [Series(DEFAULT_SERIES)]
-    found += [
-        Series(d)
-        for d in sorted(DEFAULT_SERIES.glob("v*"))
-        if (d / "base.toml").is_file()
+    others = [
+        Series(d) for d in DEFAULT_SERIES.glob("v*") if (d / "base.toml").is_file()
     ]
+    # By version, not by name: v0.100.0 comes after v0.33.0.
+    found += sorted(others, key=lambda s: version_key(s.base().version))
     return found
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version))

