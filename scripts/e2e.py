@@ -21,8 +21,8 @@ them with the `openai` client over loopback (scripts/e2e_load.py):
 What the base must do comes from the series (scripts/e2e_judge.py): where
 it names a scenario's reproducer, the base must break there as that
 reproducer says (the engine dies of the bug's exception; or CPU hits are
-lost); elsewhere it must behave as the series. The
-series must answer every request, stay healthy and read no wrong KV block.
+lost); elsewhere it must behave as the series. The series must answer
+every request, stay healthy and read no wrong KV block.
 The load mix is not judged on the base (nothing there is a declared bug).
 Anything else fails. Tables go to stdout and .work/e2e/e2e.md, server
 logs to .work/e2e/.
@@ -287,7 +287,7 @@ def run_targets(
 
 def default_targets(short: bool, releases: list[str] | None) -> Iterator[Target]:
     from run_tests import prepare
-    from venv import ensure_venv, release_venv
+    from venv import series_venv
 
     all_series = find_series()
     for i, s in enumerate(all_series):
@@ -295,11 +295,7 @@ def default_targets(short: bool, releases: list[str] | None) -> Iterator[Target]
             continue
         trees = prepare(s)
         common_txt = trees.base / "requirements" / "common.txt"
-        python = (
-            ensure_venv("test", common_txt)
-            if i == 0
-            else release_venv(trees.version, common_txt)
-        )
+        python = series_venv(trees.version, common_txt, default=i == 0)
         if i == 0:
             yield Target(s, "base", trees.base, python)
             yield Target(s, "series", trees.patched, python)

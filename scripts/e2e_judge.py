@@ -75,7 +75,9 @@ def clean_run_problems(row: Row) -> list[str]:
         problems.append(f"engine dead ({row.exception or 'no exception logged'})")
     elif row.exception:
         problems.append(f"EngineCore logged {row.exception}")
-    if row.alive and any(row.left.get(k) for k in ("running", "waiting")):
+    if row.alive and any(row.left.get(k) is None for k in ("running", "waiting")):
+        problems.append("/metrics did not give the running and waiting counts")
+    elif row.alive and any(row.left.get(k) for k in ("running", "waiting")):
         problems.append(
             f"left in the engine: {row.left.get('running')} running, "
             f"{row.left.get('waiting')} waiting"

@@ -201,9 +201,7 @@ async def load(client: openai.AsyncOpenAI, url: str, args, out: dict) -> None:
         async with gate:
             await run_job(client, job, out)
 
-    await asyncio.gather(
-        *(gated(j) for j in load_jobs(args.requests, args.max_model_len))
-    )
+    await asyncio.gather(*(gated(j) for j in jobs))
 
 
 WORKLOADS = {"seed000": seed000, "seed002": seed002, "load": load}

@@ -64,7 +64,7 @@ class Server:
         env: dict[str, str],
         log: Path,
     ):
-        self.python, self.tree, self.args, self.log = python, tree, args, log
+        self.python, self.args, self.log = python, args, log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {

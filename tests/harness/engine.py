@@ -368,29 +368,28 @@ def worker_step(
     if worker is None:
         out = runner.execute(so, step)
     else:
-        w = worker
         with cuda.active():
-            w.handle_preemptions(so.kv_connector_metadata)
-            w.bind_connector_metadata(so.kv_connector_metadata)
+            worker.handle_preemptions(so.kv_connector_metadata)
+            worker.bind_connector_metadata(so.kv_connector_metadata)
             # Sync loads feed this step's forward (0.30+); others start
             # after it is launched.
             sync_loads = getattr(so, "has_sync_kv_loads", False)
             if sync_loads:
-                w.start_load_kv()
+                worker.start_load_kv()
             out = runner.execute(so, step)
             if not sync_loads:
-                w.start_load_kv()
-            w.wait_for_save()
-            sending, recving = w.get_finished(so.finished_req_ids)
+                worker.start_load_kv()
+            worker.wait_for_save()
+            sending, recving = worker.get_finished(so.finished_req_ids)
             invalid = failed_loads(recving)
             out.kv_connector_output = KVConnectorOutput(
                 finished_sending=sending,
                 finished_recving=recving,
-                kv_connector_worker_meta=w.build_connector_worker_meta(),
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
                 # Passed only when set: not every release has the field.
                 **({"invalid_block_ids": invalid} if invalid else {}),
             )
-            w.clear_connector_metadata()
+            worker.clear_connector_metadata()
     cuda.host_sync()
     return out
 

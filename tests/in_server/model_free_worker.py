@@ -16,12 +16,14 @@ VLLM_FORK_E2E_STORE_DELAY worker steps after launch.
 
 Every content-tag violation (a block read that does not hold what the
 request's tokens say) is appended to the JSON-lines file named by
-VLLM_FORK_E2E_VIOLATIONS as it is found, for the client to read.
+VLLM_FORK_E2E_VIOLATIONS as it is found, for the client to read (without
+it, to the server's log as an error).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,7 @@ from harness.engine import (
 )
 from harness.fake_cuda import FakeCuda
 
+logger = logging.getLogger(__name__)
 HYBRID = os.environ.get("VLLM_FORK_E2E_HYBRID") == "1"
 SLIDING_WINDOW = int(os.environ.get("VLLM_FORK_E2E_SLIDING_WINDOW", "64"))
 # Worker steps after launch at which a GPU->CPU store completes (loads
@@ -220,10 +223,14 @@ class ModelFreeWorker(WorkerBase):
         if not new:
             return
         self._reported += len(new)
-        if self.violations_path:
-            with open(self.violations_path, "a") as f:
-                for v in new:
-                    f.write(json.dumps({"step": v.step, "violation": str(v)}) + "\n")
+        if not self.violations_path:
+            # No file to read them from: the server's log has them.
+            for v in new:
+                logger.error("content violation: %s", v)
+            return
+        with open(self.violations_path, "a") as f:
+            for v in new:
+                f.write(json.dumps({"step": v.step, "violation": str(v)}) + "\n")
 
     def check_health(self) -> None:
         return

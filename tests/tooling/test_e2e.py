@@ -64,6 +64,7 @@ def test_a_clean_series_run_passes(name):
         ({"alive": False, "exception": "AssertionError"}, "engine dead (Assertion"),
         ({"exception": "RuntimeError: x (in step)"}, "EngineCore logged RuntimeError"),
         ({"left": {"running": 1.0, "waiting": 0.0}}, "left in the engine: 1.0 run"),
+        ({"left": {}}, "/metrics did not give the running and waiting"),
         ({"violations": ["step 3: r0 group 0 block #1 ..."]}, "1 content violations"),
         ({"outcomes": []}, "0 outcomes for 3 planned requests"),
         ({"planned": 0, "outcomes": []}, "0 outcomes for 0 planned requests"),
