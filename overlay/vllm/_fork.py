@@ -16,7 +16,7 @@ FORK = "vllm-fork"
 # (module, attribute path).
 MARKERS = [
     ("vllm.v1.core.kv_cache_utils", "NoFreeBlocksError"),
-    ("vllm.v1.core.kv_cache_manager", "KVCacheShortfall"),
+    ("vllm.v1.core.kv_cache_utils", "is_block_shortage"),
     (
         "vllm.v1.simple_kv_offload.manager",
         "SimpleCPUOffloadScheduler._is_position_hash",
