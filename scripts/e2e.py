@@ -24,7 +24,8 @@ reproducer says (the engine dies of the bug's exception; or CPU hits are
 lost); elsewhere it must behave as the series. The series must answer
 every request, stay healthy and read no wrong KV block.
 The load mix is not judged on the base (nothing there is a declared bug).
-Anything else fails. Tables go to stdout and .work/e2e/e2e.md, server
+Anything else fails. Tables go to stdout and .work/e2e/e2e.md (the runs as
+data: e2e.json, which `make export` quotes in its PR texts), server
 logs to .work/e2e/.
 
 --short (part of make test): seed000 and a small load mix, on the default
@@ -254,6 +255,26 @@ def table(title: str, rows: list[Row]) -> list[str]:
     return lines + ([""] + details if details else []) + [""]
 
 
+def record(t: Target, r: Row) -> dict:
+    """One run as data (e2e.json), for what quotes it (export's PR text)."""
+    return {
+        "release": t.series.base().version,
+        "kind": t.kind,
+        "scenario": r.scenario.name,
+        "reproducer": r.scenario.reproducer,
+        "sent": len(r.outcomes),
+        "ok": sum(o == "ok" for o in r.outcomes),
+        "errors": sum(r.errors.values()),
+        "alive": r.alive,
+        "exception": r.exception,
+        "violations": len(r.violations),
+        "preemptions": r.preemptions,
+        "cpu_hits": list(r.cpu_hits) if r.cpu_hits else None,
+        "peer_strikes": r.effective_strikes if r.scenario.peer else None,
+        "verdict": verdict(r),
+    }
+
+
 def run_targets(
     targets: list[Target], short: bool, only: list[str] | None = None
 ) -> tuple[bool, list[str], list[str]]:
@@ -262,6 +283,7 @@ def run_targets(
     OUT.mkdir(parents=True, exist_ok=True)
     report: list[str] = []
     summary: list[str] = []
+    records: list[dict] = []
     ok = True
     for t in targets:
         rows = []
@@ -278,10 +300,13 @@ def run_targets(
                 + (f": {'; '.join(row.problems)}" if row.problems else "")
             )
             rows.append(row)
+            records.append(record(t, row))
             summary.append(one_line(t.label, row))
         ok = ok and not any(r.problems for r in rows)
         report += table(f"{t.label} ({rel(t.tree)})", rows)
-    (OUT / ("e2e-short.md" if short else "e2e.md")).write_text("\n".join(report))
+    stem = "e2e-short" if short else "e2e"
+    (OUT / f"{stem}.md").write_text("\n".join(report))
+    (OUT / f"{stem}.json").write_text(json.dumps(records, indent=1) + "\n")
     return ok, report, summary
 
 

@@ -34,6 +34,7 @@ the previous ones, for patches that depend on each other.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import tempfile
@@ -65,6 +66,8 @@ from series import FORK_TRAILERS, TRAILER_RE, Patch, Series, find_series
 from venv import TEST_REQS, VENV, pip_install, release_venv
 
 BRANCH_PREFIX = "export/"
+# make e2e's runs as data (make test's short run: e2e-short.json).
+E2E_RECORDS = (WORK / "e2e" / "e2e.json", WORK / "e2e" / "e2e-short.json")
 ISSUE_RE = re.compile(r"^(?:([\w.-]+/[\w.-]+))?#(\d+)$")
 UPSTREAM_REPO = "vllm-project/vllm"
 
@@ -209,8 +212,10 @@ def pr_description(
     onto: str,
     lint_ok: bool,
     checks: list[str] | None = None,
+    figures: list[str] | None = None,
 ) -> str:
-    """A draft PR description in vLLM's template, from the patch's message."""
+    """A draft PR description in vLLM's template, from the patch's message;
+    `figures`: Markdown of measured results (before/after tables)."""
     subject, _, body = message.partition("\n\n")
     body_paras = [
         p
@@ -270,6 +275,7 @@ def pr_description(
             if checks
             else []
         ),
+        *((figures + [""]) if figures else []),
         "---",
         "<details>",
         "<summary> Essential Elements of an Effective PR Description Checklist "
@@ -278,13 +284,51 @@ def pr_description(
         '- [x] The purpose of the PR, such as "Fix some issue (link existing '
         'issues this PR will resolve)".',
         "- [x] The test plan, such as providing test command.",
-        "- [ ] The test results, such as pasting the results comparison before "
-        "and after, or e2e results",
+        f"- [{'x' if figures else ' '}] The test results, such as pasting the "
+        "results comparison before and after, or e2e results",
         "- [ ] (Optional) The necessary documentation update.",
         "</details>",
         "",
     ]
     return "\n".join(lines)
+
+
+def e2e_figures(patch: Patch, release: str) -> list[str]:
+    """The last end-to-end runs (make e2e, else make test's short one) of the
+    scenarios this patch's reproducers stand for, on `release`: the bare
+    release against the fork's whole series, this patch among it."""
+    path = next((p for p in E2E_RECORDS if p.exists()), None)
+    if path is None:
+        return []
+    named = {t.removeprefix("tests/reproducers/") for t in patch.reproducers()}
+    rows = [
+        r
+        for r in json.loads(path.read_text())
+        if r["release"] == release and r["reproducer"] in named
+    ]
+    if not rows:
+        return []
+    lines = [
+        f"End to end: vLLM {release}'s real `vllm serve` on a CPU, with "
+        "vllm-fork's model-free worker, driven by the `openai` client "
+        f"(vllm-fork's `make e2e`, {rel(path)}). The bare release, and the "
+        "release with the fork's whole series (this change among it):",
+        "",
+        "| scenario | vLLM | requests | answered | errors | engine after "
+        "| preemptions | peer strikes | CPU hit tokens |",
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for r in sorted(rows, key=lambda r: (r["scenario"], r["kind"])):
+        engine = "alive" if r["alive"] else f"dead: `{r['exception']}`"
+        hits = "/".join(map(str, r["cpu_hits"])) if r["cpu_hits"] else "-"
+        strikes = "-" if r["peer_strikes"] is None else str(r["peer_strikes"])
+        preempted = "-" if r["preemptions"] is None else f"{r['preemptions']:.0f}"
+        who = "bare release" if r["kind"] == "base" else "with the series"
+        lines.append(
+            f"| {r['scenario']} | {who} | {r['sent']} | {r['ok']} | {r['errors']} "
+            f"| {engine} | {preempted} | {strikes} | {hits} |"
+        )
+    return lines
 
 
 def apply_one(worktree: Path, patch: Patch, signer: str) -> str | None:
@@ -394,9 +438,13 @@ def export_series(
                 export_checks.lint(wt, start),
             ]
             if python is not None:
-                checks += export_checks.slow_checks(wt, start, series, python, stem)
+                checks += export_checks.slow_checks(
+                    wt, start, patch, series, python, stem
+                )
             result.problems += [p for c in checks for p in c.problems]
             summaries = [c.summary for c in checks if not c.problems and c.summary]
+            figures = [line for c in checks if c.figures for line in c.figures + [""]]
+            figures += e2e_figures(patch, base_version)
             result.branch, result.note = free_branch(tree, stem, commit)
             made = format_patches(wt, [commit], out, start=patch.number)
             desc = out / (made[0].stem + ".md")
@@ -408,11 +456,14 @@ def export_series(
                     onto,
                     not result.problems,
                     summaries,
+                    figures,
                 )
             )
             result.files = [made[0], desc]
             for line in [f"branch {result.branch}", *map(rel, result.files)]:
                 say(f"    {line}")
+            for summary in summaries:
+                say(f"    ok: {summary}")
     finally:
         run(["git", "-C", tree, "worktree", "remove", "--force", wt], check=False)
         shutil.rmtree(wt, ignore_errors=True)

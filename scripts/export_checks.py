@@ -11,9 +11,12 @@ vLLM's pre-commit and CI look at a pull request this way, and so does this:
     on the branch and fail on the commit it is based on (each one that
     fails there, for a reason in the test, not at import); and every test
     of tests/v1/core and tests/v1/simple_kv_offload that passes on the base
-    passes on the branch.
-Each check returns the problems it found (none: it passed) and a line for
-the PR description.
+    passes on the branch;
+  - the patch's reproducers (the fork's harness, tests/reproducers/) on the
+    commit it is based on and on the branch: all pass on the branch, at
+    least one fails before; their table is the PR's before/after figures.
+Each check returns the problems it found (none: it passed), a line for
+the PR description, and any table of figures for it.
 """
 
 from __future__ import annotations
@@ -22,13 +25,20 @@ import hashlib
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import WORK, ForkError, git, rel, run, step
+from common import ROOT, WORK, ForkError, git, rel, run, step
 from run_tests import Trees, ruff, upstream_tests
-from series import Series
-from testenv import exception_type, read_junit_details, run_pytest
+from series import Patch, Series
+from testenv import (
+    exception_type,
+    read_junit_details,
+    reproducer_verdicts,
+    run_pytest,
+)
 from venv import RELEASE_VENVS
 
 # What vLLM's check_spdx_header.py wants at the top of every new file.
@@ -46,6 +56,8 @@ LOGS = WORK / "logs" / "export"
 class CheckResult:
     problems: list[str]
     summary: str
+    # Markdown lines of figures for the PR description (a table).
+    figures: list[str] = field(default_factory=list)
 
 
 def changed_python_files(worktree: Path, base: str, diff_filter: str) -> list[str]:
@@ -168,9 +180,15 @@ def changed_test_tree(worktree: Path, base: str) -> tuple[list[str], list[str]]:
 
 
 def tests(
-    worktree: Path, base: str, series: Series, python: Path, label: str
+    worktree: Path,
+    base: str,
+    base_tree: Path,
+    series: Series,
+    python: Path,
+    label: str,
 ) -> CheckResult:
-    """The patch's own tests and upstream's scheduler tests, base and branch."""
+    """The patch's own tests and upstream's scheduler tests, on `base` (checked
+    out at `base_tree`) and on the branch."""
     added, support = changed_test_tree(worktree, base)
     if not added:
         return CheckResult(
@@ -181,28 +199,19 @@ def tests(
             "",
         )
     LOGS.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vllm-fork-export-base-") as tmp:
-        base_tree = Path(tmp) / "base"
-        git(worktree, "worktree", "add", "-q", "--detach", base_tree, base)
-        try:
-            for f in support:
-                (base_tree / f).parent.mkdir(parents=True, exist_ok=True)
-                (base_tree / f).write_text((worktree / f).read_text())
-            on_branch = _run(python, worktree, added, f"{label}-branch")
-            on_base = _run(python, base_tree, added, f"{label}-base")
-            git(base_tree, "checkout", "-q", "--", ".")
-            for f in support:
-                if not git(base_tree, "ls-files", f):
-                    (base_tree / f).unlink()
-            trees = Trees(series, series.base().version, base_tree, worktree)
-            regressions_ok, regressions = upstream_tests(
-                python, trees, f"export/{label}"
-            )
-        finally:
-            run(
-                ["git", "-C", worktree, "worktree", "remove", "--force", base_tree],
-                check=False,
-            )
+    for f in support:
+        (base_tree / f).parent.mkdir(parents=True, exist_ok=True)
+        (base_tree / f).write_text((worktree / f).read_text())
+    try:
+        on_branch = _run(python, worktree, added, f"{label}-branch")
+        on_base = _run(python, base_tree, added, f"{label}-base")
+    finally:
+        git(base_tree, "checkout", "-q", "--", ".")
+        for f in support:
+            if not git(base_tree, "ls-files", f):
+                (base_tree / f).unlink()
+    trees = Trees(series, series.base().version, base_tree, worktree)
+    regressions_ok, regressions = upstream_tests(python, trees, f"export/{label}")
     problems = []
     if not on_branch:
         problems.append(f"the new tests did not run: see {rel(LOGS)}/")
@@ -245,18 +254,94 @@ def _run(python: Path, tree: Path, files: list[str], label: str) -> dict:
     return read_junit_details(junit)
 
 
-def slow_checks(
-    worktree: Path, base: str, series: Series, python: Path, label: str
-) -> list[CheckResult]:
-    """mypy and the tests; one that cannot run (no network for the mypy
-    environment, say) is a problem, and the other still runs."""
-    results = []
-    for name, check in (
-        ("mypy", lambda: mypy(worktree, base)),
-        ("tests", lambda: tests(worktree, base, series, python, label)),
-    ):
+def reproducers(
+    worktree: Path, base_tree: Path, patch: Patch, python: Path, label: str
+) -> CheckResult:
+    """The patch's reproducers (the fork's harness) before the change (at
+    `base_tree`) and with it: the PR's before/after figures."""
+    test_ids = patch.reproducers()
+    if not test_ids:
+        return CheckResult([], "")
+    LOGS.mkdir(parents=True, exist_ok=True)
+    verdicts = {
+        kind: reproducer_verdicts(
+            python,
+            tree,
+            test_ids,
+            ROOT,
+            LOGS / f"{label}-reproducers-{kind}.xml",
+            LOGS / f"{label}-reproducers-{kind}.log",
+        )
+        for kind, tree in (("before", base_tree), ("after", worktree))
+    }
+    before, after = verdicts["before"], verdicts["after"]
+    problems = [
+        f"reproducer {t} {after[t].state} on the branch: {after[t].message}"
+        for t in test_ids
+        if after[t].state != "passes"
+    ]
+    failing = [t for t in test_ids if before[t].state == "fails"]
+    if not failing:
+        problems.append("no reproducer fails before the change: they prove nothing")
+    figures = [
+        "| reproducer (vllm-fork's harness) | before this change | with it |",
+        "| --- | --- | --- |",
+    ]
+    for t in test_ids:
+        b, a = before[t], after[t]
+        said = f"{b.state}: `{_cell(b.message)}`" if b.message else b.state
+        figures.append(
+            f"| `{t.removeprefix('tests/reproducers/')}` | {said} | {a.state} |"
+        )
+    summary = (
+        f"{len(test_ids)} reproducers of vllm-fork's harness: {len(failing)} "
+        f"fail before this change, {sum(after[t].state == 'passes' for t in test_ids)}"
+        " pass with it"
+    )
+    return CheckResult(problems, summary, figures)
+
+
+def _cell(text: str, limit: int = 140) -> str:
+    """`text` fit for a Markdown table cell in backticks."""
+    text = text.replace("|", "/").replace("`", "'")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextmanager
+def base_worktree(worktree: Path, base: str) -> Iterator[Path]:
+    """`base` checked out beside `worktree`, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="vllm-fork-export-base-") as tmp:
+        base_tree = Path(tmp) / "base"
+        git(worktree, "worktree", "add", "-q", "--detach", base_tree, base)
         try:
-            results.append(check())
-        except ForkError as e:
-            results.append(CheckResult([f"{name}: {e}"], ""))
+            yield base_tree
+        finally:
+            run(
+                ["git", "-C", worktree, "worktree", "remove", "--force", base_tree],
+                check=False,
+            )
+
+
+def slow_checks(
+    worktree: Path, base: str, patch: Patch, series: Series, python: Path, label: str
+) -> list[CheckResult]:
+    """mypy, the tests and the reproducers; one that cannot run (no network
+    for the mypy environment, say) is a problem, and the others still run."""
+    results = []
+    with base_worktree(worktree, base) as base_tree:
+        for name, check in (
+            ("mypy", lambda: mypy(worktree, base)),
+            (
+                "tests",
+                lambda: tests(worktree, base, base_tree, series, python, label),
+            ),
+            (
+                "reproducers",
+                lambda: reproducers(worktree, base_tree, patch, python, label),
+            ),
+        ):
+            try:
+                results.append(check())
+            except ForkError as e:
+                results.append(CheckResult([f"{name}: {e}"], ""))
     return results

@@ -23,6 +23,9 @@ exactly one state:
 Conflicts are recorded with git rerere. Their resolutions are stored with
 the new series (INTO/resolutions/) and seeded into the tree before the next
 replay, so a conflict resolved once is resolved the same way next time.
+A hand resolution is also kept whole, as a diff (a port), for the same
+patch on the same files; a patch changed since, whose hunks rerere still
+resolves, stops anyway: carry over what else that port edited.
 
 Nothing in INTO (default patches/v<new>/) or SERIES changes until every
 patch is through; then INTO receives base.toml, the patches, resolutions/
@@ -342,6 +345,25 @@ def apply_port(tree: Path, patch: Path, before: str) -> str:
     return key
 
 
+def stale_port(tree: Path, patch: Path, before: str) -> Path | None:
+    """A port recorded for another version of `patch` (same name, other key):
+    the patch changed since it was ported by hand, and rerere alone would
+    replay the hunks but drop the edits that port made around them."""
+    ports = gitdir(tree) / TREE_PORTS
+    if not ports.is_dir():
+        return None
+    key = port_key(tree, patch, before)
+    for entry in sorted(ports.iterdir()):
+        meta = entry / PORT_META
+        if (
+            entry.name != key
+            and meta.exists()
+            and json.loads(meta.read_text())["patch"] == patch.name
+        ):
+            return entry
+    return None
+
+
 def save_ports(tree: Path, keys: list[str], dest: Path) -> list[str]:
     """Copy the tree's ports of `keys` to dest/<key>/."""
     saved = []
@@ -444,6 +466,17 @@ def replay_one(
         and not files
         and "using previous resolution" in proc.stderr
     ):
+        if stale := stale_port(tree, patch, before):
+            # (A patch that now merges without conflicts cannot be caught
+            # here: its earlier port is not consulted.)
+            return Outcome(
+                CONFLICT,
+                "rerere replayed its conflicts' resolutions, but the patch "
+                f"changed since it was ported by hand ({stale / PORT_DIFF}): "
+                "make the staged files carry that port's other edits too",
+                files=patch_paths(patch),
+                conflict_ids=ids_now,
+            )
         return commit_resolution(tree, before, "recorded resolution", version, "")
     reason = "" if ids_now else (proc.stderr.strip().splitlines() or [""])[-1]
     return Outcome(

@@ -7,6 +7,7 @@ be made to conflict with it.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from export_checks import dco, mypy_hook
 
+import export
 from common import ROOT, ForkError, git, git_ok
 from export import export_series
 from refresh import format_patches
@@ -257,3 +259,49 @@ def test_the_mypy_hook_is_read_from_the_trees_pre_commit_config(tmp_path):
     )
     with pytest.raises(ForkError, match="no mypy hook"):
         mypy_hook(tmp_path)
+
+
+def test_pr_text_quotes_the_end_to_end_runs_of_the_patchs_scenario(
+    series, tmp_path, monkeypatch
+):
+    """The runs make e2e recorded for the scenario a patch's reproducer stands
+    for, on the patch's release, become a table; other releases' and other
+    scenarios' runs do not; with figures the template's box is ticked."""
+    patch = next(p for p in series.patches() if p.reproducers())
+    named = patch.reproducers()[0].removeprefix("tests/reproducers/")
+    run = {
+        "release": "0.33.0",
+        "scenario": "seedX",
+        "reproducer": named,
+        "sent": 60,
+        "ok": 1,
+        "errors": 59,
+        "alive": False,
+        "exception": "ValueError: Cannot get 1 free blocks (in get_new_blocks)",
+        "preemptions": None,
+        "cpu_hits": None,
+        "peer_strikes": 1,
+    }
+    records = [
+        {**run, "kind": "base"},
+        {**run, "kind": "series", "ok": 50, "errors": 0, "alive": True},
+        {**run, "kind": "base", "release": "0.20.2"},
+        {**run, "kind": "base", "scenario": "other", "reproducer": "x.py::y"},
+    ]
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(records))
+    monkeypatch.setattr(export, "E2E_RECORDS", (tmp_path / "missing.json", path))
+    figures = export.e2e_figures(patch, "0.33.0")
+    rows = [line for line in figures if line.startswith("| seedX")]
+    assert rows == [
+        "| seedX | bare release | 60 | 1 | 59 | dead: `ValueError: Cannot get 1 "
+        "free blocks (in get_new_blocks)` | - | 1 | - |",
+        "| seedX | with the series | 60 | 50 | 0 | alive | - | 1 | - |",
+    ]
+    assert export.e2e_figures(patch, "0.19.0") == []
+    text = export.pr_description(
+        patch, patch.message(), "0.33.0", "0" * 40, True, [], figures
+    )
+    assert "- [x] The test results" in text and rows[0] in text
+    bare = export.pr_description(patch, patch.message(), "0.33.0", "0" * 40, True)
+    assert "- [ ] The test results" in bare

@@ -166,14 +166,22 @@ def test_a_port_is_replayed_whole(five, project, tmp_path):
     )
     assert snapshot(into) == first
     # A changed patch does not get the old port: rerere replays the hunk it
-    # knows, and the edit of the other file is not there.
+    # knows, but the port's edit of the other file would be lost, so the
+    # rebase stops there for the user to carry it over.
     patch = five.series.dir / "0005-Conflict-change-line-20.patch"
     patch.write_text(patch.read_text().replace("Conflict: change", "Conflict: edit"))
-    start(five, project, tree=tmp_path / "third")
-    assert (
-        "line twenty\n" in (tmp_path / "third/vllm/v1/core/block_pool.py").read_text()
-    )
-    assert "# ported" not in (tmp_path / "third" / other).read_text()
+    third = tmp_path / "third"
+    with pytest.raises(ForkError, match="0005-Conflict-change-line-20.patch"):
+        start(five, project, tree=third)
+    state = rebase.State.load(third)
+    entry = state.patches[4]
+    assert entry.state == "conflict" and "ported by hand" in entry.detail
+    assert "line twenty\n" in (third / "vllm/v1/core/block_pool.py").read_text()
+    assert "# ported" not in (third / other).read_text()
+    (third / other).write_text("def popleft_n(n):  # ported\n    assert n\n")
+    git(third, "add", other)
+    rebase.resume(third)
+    assert "# ported" in (third / other).read_text()
 
 
 def test_abort_puts_everything_back_and_keeps_the_unfinished_work(five, project):
