@@ -264,6 +264,7 @@ def record(t: Target, r: Row) -> dict:
         "reproducer": r.scenario.reproducer,
         "sent": len(r.outcomes),
         "ok": sum(o == "ok" for o in r.outcomes),
+        "cancelled": sum(o == "cancelled" for o in r.outcomes),
         "errors": sum(r.errors.values()),
         "alive": r.alive,
         "exception": r.exception,

@@ -314,9 +314,9 @@ def e2e_figures(patch: Patch, release: str) -> list[str]:
         f"(vllm-fork's `make e2e`, {rel(path)}). The bare release, and the "
         "release with the fork's whole series (this change among it):",
         "",
-        "| scenario | vLLM | requests | answered | errors | engine after "
-        "| preemptions | peer strikes | CPU hit tokens |",
-        "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "| scenario | vLLM | requests | answered | closed by client | errors "
+        "| engine after | preemptions | peer strikes | CPU hit tokens |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for r in sorted(rows, key=lambda r: (r["scenario"], r["kind"])):
         engine = "alive" if r["alive"] else f"dead: `{r['exception']}`"
@@ -325,8 +325,9 @@ def e2e_figures(patch: Patch, release: str) -> list[str]:
         preempted = "-" if r["preemptions"] is None else f"{r['preemptions']:.0f}"
         who = "bare release" if r["kind"] == "base" else "with the series"
         lines.append(
-            f"| {r['scenario']} | {who} | {r['sent']} | {r['ok']} | {r['errors']} "
-            f"| {engine} | {preempted} | {strikes} | {hits} |"
+            f"| {r['scenario']} | {who} | {r['sent']} | {r['ok']} "
+            f"| {r.get('cancelled', '-')} | {r['errors']} | {engine} | {preempted} "
+            f"| {strikes} | {hits} |"
         )
     return lines
 

@@ -275,6 +275,7 @@ def test_pr_text_quotes_the_end_to_end_runs_of_the_patchs_scenario(
         "reproducer": named,
         "sent": 60,
         "ok": 1,
+        "cancelled": 0,
         "errors": 59,
         "alive": False,
         "exception": "ValueError: Cannot get 1 free blocks (in get_new_blocks)",
@@ -284,7 +285,14 @@ def test_pr_text_quotes_the_end_to_end_runs_of_the_patchs_scenario(
     }
     records = [
         {**run, "kind": "base"},
-        {**run, "kind": "series", "ok": 50, "errors": 0, "alive": True},
+        {
+            **run,
+            "kind": "series",
+            "ok": 50,
+            "cancelled": 10,
+            "errors": 0,
+            "alive": True,
+        },
         {**run, "kind": "base", "release": "0.20.2"},
         {**run, "kind": "base", "scenario": "other", "reproducer": "x.py::y"},
     ]
@@ -294,9 +302,9 @@ def test_pr_text_quotes_the_end_to_end_runs_of_the_patchs_scenario(
     figures = export.e2e_figures(patch, "0.33.0")
     rows = [line for line in figures if line.startswith("| seedX")]
     assert rows == [
-        "| seedX | bare release | 60 | 1 | 59 | dead: `ValueError: Cannot get 1 "
-        "free blocks (in get_new_blocks)` | - | 1 | - |",
-        "| seedX | with the series | 60 | 50 | 0 | alive | - | 1 | - |",
+        "| seedX | bare release | 60 | 1 | 0 | 59 | dead: `ValueError: Cannot get "
+        "1 free blocks (in get_new_blocks)` | - | 1 | - |",
+        "| seedX | with the series | 60 | 50 | 10 | 0 | alive | - | 1 | - |",
     ]
     assert export.e2e_figures(patch, "0.19.0") == []
     text = export.pr_description(
