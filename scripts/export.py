@@ -262,10 +262,15 @@ def pr_description(
     lines += [
         "## Test Result",
         "",
-        f"On vLLM {base_version}, the fork's base, the reproducer fails without "
-        "this change and passes with it (checked by vllm-fork's `make test`, "
-        "together with tests/v1/core and tests/v1/simple_kv_offload). Rebased "
-        f"onto {onto[:12]}"
+        (
+            ""
+            if figures
+            else f"On vLLM {base_version}, the fork's base, the reproducer fails "
+            "without this change and passes with it (checked by vllm-fork's "
+            "`make test`, together with tests/v1/core and "
+            "tests/v1/simple_kv_offload). "
+        )
+        + f"Rebased onto {onto[:12]}"
         + ("; the changed files pass vLLM's ruff settings there." if lint_ok else "."),
         "",
         *(

@@ -311,5 +311,8 @@ def test_pr_text_quotes_the_end_to_end_runs_of_the_patchs_scenario(
         patch, patch.message(), "0.33.0", "0" * 40, True, [], figures
     )
     assert "- [x] The test results" in text and rows[0] in text
+    # The measured table replaces the generic claim.
+    assert "the reproducer fails without" not in text
     bare = export.pr_description(patch, patch.message(), "0.33.0", "0" * 40, True)
     assert "- [ ] The test results" in bare
+    assert "the reproducer fails without" in bare
