@@ -54,6 +54,7 @@ from common import (
 from mutate_operators import (
     OperatorMutant,
     differential_command,
+    is_mutation_subject,
     run_operator_mutants,
 )
 from series import Series, find_series
@@ -131,7 +132,7 @@ def hunks_of(tree: Path, base_tag: str) -> list[Hunk]:
                 continue
             head, *bodies = re.split(r"(?m)^(?=@@ )", file_diff)
             path = re.search(r"(?m)^\+\+\+ b/(.+)$", head)
-            if path is None or not path[1].endswith(".py"):
+            if path is None or not is_mutation_subject(path[1]):
                 continue
             for body in bodies:
                 # git() strips the output's last newline; a patch needs it.

@@ -9,8 +9,13 @@ import tomllib
 
 from conftest import git
 
-from mutate import code_of
-from mutate_operators import EXCLUDED_OPERATORS, blame, write_config
+from mutate import code_of, hunks_of
+from mutate_operators import (
+    EXCLUDED_OPERATORS,
+    blame,
+    is_mutation_subject,
+    write_config,
+)
 
 BEFORE = '''
 def f(x: int) -> int:
@@ -50,6 +55,30 @@ def test_blame_names_the_patch_that_wrote_each_line(tmp_path):
         2: "[Core] first patch",
         4: "[Core] second patch",
     }
+
+
+def test_only_vllms_code_is_mutated_not_the_tests_a_patch_carries():
+    assert is_mutation_subject("vllm/v1/core/block_pool.py")
+    assert not is_mutation_subject("tests/v1/core/test_typed_pool_errors.py")
+    assert not is_mutation_subject("vllm/_fork.py")
+    assert not is_mutation_subject("vllm/v1/core/README.md")
+
+
+def test_hunks_of_skips_a_test_file_the_patch_carries(tmp_path):
+    repo = tmp_path / "tree"
+    (repo / "vllm").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    code = repo / "vllm" / "m.py"
+    code.write_text("a = 1\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "Import upstream")
+    git(repo, "update-ref", "refs/remotes/upstream/v1", "HEAD")
+    code.write_text("a = 2\n")
+    (repo / "tests" / "test_m.py").write_text("def test_a():\n    pass\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "[Core] a patch with its test")
+    assert [h.file for h in hunks_of(repo, "upstream/v1")] == ["vllm/m.py"]
 
 
 def excluded(name: str) -> bool:
