@@ -10,7 +10,7 @@ ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-slow bench rebase \
-	rebase-continue rebase-abort matrix wheel overlay export import soak differential \
+	rebase-continue rebase-abort matrix wheel overlay image export import soak differential \
 	mutate e2e clean
 
 help: ## list the targets
@@ -36,7 +36,7 @@ venv: ## create .venv with torch and vLLM's build requirements
 test: ## tooling tests, upstream tests on base and series, reproducers, lint
 	$(PYTHON) scripts/run_tests.py
 
-test-slow: ## slow tests: the real 0.20.2 -> 0.33.0 rebase; upstream's wheel repacked
+test-slow: ## slow tests: the real 0.20.2 -> 0.33.0 rebase; upstream's wheel repacked; make image
 	$(PYTHON) scripts/run_tests.py --slow
 
 wheel: ## patched wheel from upstream's released one, into dist/
@@ -44,6 +44,9 @@ wheel: ## patched wheel from upstream's released one, into dist/
 
 overlay: ## container build context over upstream's image, into dist/
 	$(PYTHON) scripts/container.py --series $(SERIES) $(ARGS)
+
+image: venv ## build make overlay's context with podman on a local stand-in for upstream's image; reproducers run inside
+	$(PYTHON) scripts/image.py --series $(SERIES) $(ARGS)
 
 export: venv ## the newest series as upstream PRs: branch, .patch, PR text, vLLM's checks (ARGS=--onto/--upstream)
 	$(PYTHON) scripts/export.py $(ARGS)

@@ -18,6 +18,10 @@ unless the patched modules are the ones Python imports. Build it with:
 
   docker build -t vllm-fork:<version>-<label> dist/container-v<version>
 
+The base image is the build argument BASE_IMAGE, upstream's image by
+default; `make image` (scripts/image.py) builds the same context on a local
+stand-in for it and runs the series' reproducers in the result.
+
 The context is checked after it is written (see check_context): the
 Dockerfile's instructions, its FROM line, and every file against the
 manifest.
@@ -55,6 +59,8 @@ from repack import local_label
 from series import Series
 
 UPSTREAM_IMAGE = "vllm/vllm-openai"
+# The build argument naming the image to build on; its default is upstream's.
+BASE_ARG = "BASE_IMAGE"
 PAYLOAD = "fork"
 IN_IMAGE = "/opt/vllm-fork"
 INSTALLER = ROOT / "scripts" / "image_install.py"
@@ -85,7 +91,10 @@ def dockerfile(version: str, fork_version: str, label: str, fingerprint: str) ->
 #   docker build -t {tag} .
 # and check an image with:
 #   docker run --rm --entrypoint python3 {tag} -m vllm._fork
-FROM {upstream_image(version)}
+# {BASE_ARG} is upstream's image; `make image` builds this same context on a
+# local stand-in for it with --build-arg {BASE_ARG}=<stand-in>.
+ARG {BASE_ARG}={upstream_image(version)}
+FROM ${{{BASE_ARG}}}
 COPY {PAYLOAD}/ {IN_IMAGE}/
 # install.py refuses files that are not vLLM {version}'s own; vllm._fork
 # then fails the build unless Python imports the patched modules.
@@ -169,11 +178,33 @@ def instructions(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def arg_defaults(steps: list[tuple[str, str]]) -> dict[str, str]:
+    """The default values of ARG instructions (NAME=value; NAME alone has none)."""
+    defaults = {}
+    for keyword, args in steps:
+        if keyword == "ARG":
+            name, eq, value = args.partition("=")
+            if eq:
+                defaults[name.strip()] = value.strip().strip('"')
+    return defaults
+
+
+def expand_args(text: str, defaults: dict[str, str]) -> str:
+    """`text` with $NAME and ${NAME} replaced by the ARG defaults, as the
+    build does when no --build-arg is given; an unknown name stays as it is."""
+    return re.sub(
+        r"\$\{(\w+)\}|\$(\w+)",
+        lambda m: defaults.get(m.group(1) or m.group(2), m.group(0)),
+        text,
+    )
+
+
 def check_context(context: Path, version: str) -> list[str]:
     """A dry check of a build context: what docker build would trip over.
 
     No Docker engine is needed: the Dockerfile is parsed, its single stage
-    must start FROM upstream's image of `version`, copy only files that
+    must start FROM upstream's image of `version` (the default of the ARG
+    that names the base image, which `make image` sets), copy only files that
     exist in the context, build nothing, and end by checking the import;
     every file in the manifest must be in the context with its sha256.
     """
@@ -188,11 +219,18 @@ def check_context(context: Path, version: str) -> list[str]:
     for keyword, args in steps:
         if keyword not in DOCKERFILE_KEYWORDS:
             problems.append(f"unknown instruction {keyword} {args}")
-    froms = [args for keyword, args in steps if keyword == "FROM"]
-    if not steps or steps[0][0] != "FROM":
-        problems.append("the Dockerfile must start with FROM")
+    first = next((i for i, (k, _) in enumerate(steps) if k != "ARG"), len(steps))
+    if first == len(steps) or steps[first][0] != "FROM":
+        problems.append("the Dockerfile must start with FROM (ARGs for it before)")
+    defaults = arg_defaults(steps[:first])
+    froms = [
+        expand_args(args, defaults) for keyword, args in steps if keyword == "FROM"
+    ]
     if froms != [upstream_image(version)]:
-        problems.append(f"FROM {froms}: want one stage, FROM {upstream_image(version)}")
+        problems.append(
+            f"FROM {froms}: want one stage, FROM {upstream_image(version)} "
+            f"(the default of ARG {BASE_ARG})"
+        )
     for keyword, args in steps:
         if keyword in ("COPY", "ADD"):
             words = [w for w in shlex.split(args) if not w.startswith("--")]

@@ -68,16 +68,16 @@ STATE_MACHINES = ROOT / "tests" / "harness_tests" / "test_stateful.py"
 # the hunk adds or removes (exactly, indentation included), with the reason.
 EQUIVALENT: dict[tuple[str, str], str] = {
     (
-        "allocate_slots: per-group demand",
+        "allocate_slots: give back everything",
         "            self._last_allocation: _MambaAlignAllocation | None = None",
     ): "only read by free_new_blocks after an align allocation assigned it",
     (
-        "allocate_slots: per-group demand",
+        "allocate_slots: give back everything",
         "        return False",
     ): "0.20.2: the cross-attention group's registration flag; its caller "
     "(the coordinator) only tests it for truth, and None is false too",
     (
-        "allocate_slots: per-group demand",
+        "allocate_slots: give back everything",
         "            return False",
     ): "0.33.0: allocate_slots only tests the coordinator's registration "
     "flag for truth, and None is false too",

@@ -20,6 +20,7 @@ import pytest
 from changes import base_content, package_changes, sha256_hex
 from common import OUTPUT_MARKER, ROOT, ForkError
 from container import (
+    BASE_ARG,
     PAYLOAD,
     check_context,
     instructions,
@@ -37,7 +38,10 @@ def test_context_holds_the_series_files_and_passes_the_dry_check(series, tree, c
     version = series.base().version
     assert check_context(context, version) == []
     steps = instructions((context / "Dockerfile").read_text())
-    assert steps[0] == ("FROM", f"vllm/vllm-openai:v{version}")
+    # The base image is a build argument (make image builds on a stand-in),
+    # upstream's image by default: `docker build` alone builds on it.
+    assert steps[0] == ("ARG", f"{BASE_ARG}=vllm/vllm-openai:v{version}")
+    assert steps[1] == ("FROM", f"${{{BASE_ARG}}}")
     manifest = json.loads((context / PAYLOAD / "manifest.json").read_text())
     package = {p for p in patch_paths(series) if p.startswith("vllm/")}
     assert {f["path"] for f in manifest["files"]} == package
@@ -59,6 +63,9 @@ def test_context_holds_the_series_files_and_passes_the_dry_check(series, tree, c
     "edit, problem",
     [
         (lambda d: d.replace(":v0", ":v9"), "want one stage, FROM"),
+        (lambda d: d.replace("=vllm/vllm-openai", "=ubuntu"), "want one stage"),
+        (lambda d: d.replace("ARG BASE_IMAGE=", "ARG OTHER="), "want one stage"),
+        (lambda d: d.replace("FROM ${BASE_IMAGE}", "RUN true"), "start with FROM"),
         (lambda d: d + "FROM ubuntu:24.04\n", "want one stage"),
         (lambda d: d + "RUN pip install vllm\n", "RUN uses pip"),
         (lambda d: d + "RUN cmake -B build\n", "RUN uses cmake"),

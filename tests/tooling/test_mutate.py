@@ -9,6 +9,8 @@ import tomllib
 
 from conftest import git
 
+import mutate
+import mutate_operators
 from mutate import code_of, hunks_of
 from mutate_operators import (
     EXCLUDED_OPERATORS,
@@ -16,6 +18,7 @@ from mutate_operators import (
     is_mutation_subject,
     write_config,
 )
+from series import find_series
 
 BEFORE = '''
 def f(x: int) -> int:
@@ -118,3 +121,15 @@ def test_cosmic_ray_config_keeps_a_quoted_test_command(tmp_path):
     assert config["test-command"] == command
     assert config["distributor"]["http"]["worker-urls"] == ["http://h:1"]
     assert config["filters"]["git-filter"]["branch"] == "upstream/v1"
+
+
+def test_every_equivalence_claim_names_a_patch_of_a_series():
+    """A claim keyed by a subject no patch has any more matches nothing, and
+    the mutant it explained counts as a survivor again (0002's were, after
+    its subject changed)."""
+    subjects = [p.subject() for s in find_series() for p in s.patches()]
+    claims = [key[0] for key in mutate.EQUIVALENT] + [
+        key[0] for key in mutate_operators.EQUIVALENT
+    ]
+    stale = [c for c in claims if not any(c in subject for subject in subjects)]
+    assert not stale
