@@ -55,7 +55,8 @@ def computed_blocks(manager: KVCacheManager, request: Request) -> tuple[Any, int
 
 def group_spec(kind: str, block_size: int) -> Any:
     """The KV cache spec of one group: full, swa (a window of two blocks),
-    cross (encoder-decoder cross-attention) or mamba_align."""
+    cross (encoder-decoder cross-attention), mamba_align or mamba_align_spec
+    (with a speculative block)."""
     # Imported here: not every release has every spec.
     from vllm.v1.kv_cache_interface import (
         CrossAttentionSpec,
@@ -77,12 +78,15 @@ def group_spec(kind: str, block_size: int) -> Any:
             dtype=torch.float32,
             sliding_window=2 * block_size,
         )
-    if kind == "mamba_align":
+    if kind in ("mamba_align", "mamba_align_spec"):
+        # mamba_align_spec: one speculative block (speculative decoding),
+        # which align mode moves along as the request grows.
         return MambaSpec(
             block_size=block_size,
             shapes=((1, 1),),
             dtypes=(torch.float32,),
             mamba_cache_mode="align",
+            num_speculative_blocks=1 if kind == "mamba_align_spec" else 0,
         )
     raise ValueError(f"unknown KV cache group kind {kind}")
 

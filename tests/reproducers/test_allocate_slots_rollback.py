@@ -126,6 +126,25 @@ def test_refusal_keeps_mamba_align_state():
     assert_manager_ok(manager, all_done=True)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [("full", "mamba_align_spec"), ("mamba_align_spec", "full")],
+    ids=["mamba-refused", "after-mamba"],
+)
+def test_refusal_puts_back_the_moved_speculative_block(layout):
+    # With a speculative block, align mode moves a running request's
+    # speculative block to the end of its blocks and leaves a null block in
+    # its place; a refused call (Mamba's own, or a later group's) must put
+    # it back where it was, or it is lost from the request's blocks.
+    manager = make_manager(layout, num_blocks=40)
+    req = make_request("r0", list(range(200)))
+    assert schedule(manager, req, 64)
+    refuse_and_compare(manager, req, 64, after_calls=1)
+    assert schedule(manager, req, 64)
+    manager.free(req)
+    assert_manager_ok(manager, all_done=True)
+
+
 class Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
