@@ -20,6 +20,7 @@ import pytest
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok, manager_violations, pool_violations
+from harness.offload_checks import cpu_block_of
 
 # 52 blocks of 16 tokens, a 48-token window and 256-token chunks: a
 # 445-token request takes 28 full attention blocks plus up to 19 window
@@ -130,6 +131,31 @@ def first_request_stores_each_block_once(num_cpu_blocks: int) -> None:
         )
     assert watch.first is None, f"GPU pool inconsistent after step {watch.first}"
     assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
+
+
+def test_a_reused_block_does_not_delay_the_blocks_after_it():
+    """A window block freed and handed out again before the eager scan
+    reached it no longer holds its position: the scan skips it and stores
+    the blocks after it in the same pass. (Stopping at it, as the scan once
+    did at an unhashed block, stores each of them steps later, by which
+    time they may have been handed out too.) Here the first chunk's window
+    blocks 8-12 are reused before the scan after the chunk."""
+    e = seed000_engine(store_delay=0)
+    watch = PoolWatch()
+    start_first_request(e, watch)
+    (req,) = e.requests.values()
+    chunk = req.num_computed_tokens // e.cfg.block_size
+
+    def window_blocks_on_cpu() -> set[int]:
+        return {i for i in range(chunk) if cpu_block_of(e, req, i, 1) is not None}
+
+    e.step()  # the scan after the first chunk
+    first_pass = window_blocks_on_cpu()
+    e.run(after_step=watch)
+    assert window_blocks_on_cpu() == first_pass
+    assert max(first_pass) == chunk - 1, first_pass
+    assert len(first_pass) < chunk, "no window block was reused: nothing tested"
+    assert watch.first is None, f"GPU pool inconsistent after step {watch.first}"
 
 
 def switch_off_position_check(monkeypatch) -> None:
