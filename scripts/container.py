@@ -97,8 +97,9 @@ ARG {BASE_ARG}={upstream_image(version)}
 FROM ${{{BASE_ARG}}}
 COPY {PAYLOAD}/ {IN_IMAGE}/
 # install.py refuses files that are not vLLM {version}'s own; vllm._fork
-# then fails the build unless Python imports the patched modules.
-RUN python3 {IN_IMAGE}/install.py {IN_IMAGE} && python3 -m vllm._fork
+# then fails the build unless Python imports the patched modules (-B: its
+# imports leave no bytecode of torch & co. in this layer).
+RUN python3 {IN_IMAGE}/install.py {IN_IMAGE} && python3 -B -m vllm._fork
 LABEL org.opencontainers.image.title="vllm-fork" \\
       org.opencontainers.image.version="{fork_version}" \\
       org.opencontainers.image.base.name="docker.io/{upstream_image(version)}" \\

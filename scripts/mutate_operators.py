@@ -177,6 +177,31 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         ]
     },
     (
+        "allocate_slots: give back everything",
+        "or num_external_computed_tokens > 0",
+        "core/ReplaceComparisonOperator_Gt_GtE",
+    ): "upstream's condition, which 0002 only indents into its try: with >= "
+    "every call registers the request, and a request it registers only now "
+    "(no hit, no external token) gets no block and num_cached_block 0, the "
+    "default cache_blocks reads; a refusal frees that registration again",
+    (
+        "allocate_slots: give back everything",
+        "tail_start = max(0, prev_block_len - self.num_speculative_blocks)",
+        "core/NumberReplacer",
+    ): "align mode moves the speculative tail only of a request it allocated "
+    "before, which holds at least 1 + num_speculative_blocks blocks, so the "
+    "difference is at least 1 there and max(0, .) = max(1, .); a request not "
+    "allocated before has nothing below prev_block_len moved, so restoring "
+    "one position fewer changes nothing",
+    (
+        "allocate_slots: give back everything",
+        "if not req_blocks and request_id not in self.num_cached_block:",
+        "core/ReplaceAndWithOr",
+    ): "the undo runs for registered requests (in num_cached_block), so the "
+    "two differ only for an empty list, and req_to_blocks is a defaultdict "
+    "that every reader indexes, .get()s or .pop()s with a default: an empty "
+    "entry and none read the same",
+    (
         "Store the final blocks of a request",
         "return bool(self._store_event_to_blocks or self._finish_flushes)",
         "core/ReplaceOrWithAnd",
