@@ -20,7 +20,7 @@ import pytest
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok, manager_violations, pool_violations
-from harness.offload_checks import cpu_block_of
+from harness.offload_checks import cpu_block_of, new_request
 
 # 52 blocks of 16 tokens, a 48-token window and 256-token chunks: a
 # 445-token request takes 28 full attention blocks plus up to 19 window
@@ -156,6 +156,22 @@ def test_a_reused_block_does_not_delay_the_blocks_after_it():
     assert max(first_pass) == chunk - 1, first_pass
     assert len(first_pass) < chunk, "no window block was reused: nothing tested"
     assert watch.first is None, f"GPU pool inconsistent after step {watch.first}"
+
+
+def test_a_group_of_larger_blocks_reads_hashes_at_its_own_size():
+    """The position check compares a block's hash with the request's hash
+    at that position at the group's own block size: a hybrid model whose
+    groups' block sizes differ hashes at the smallest, and a group of twice
+    that size holds one hash per two of the request's."""
+    e = seed000_engine(store_delay=0)
+    if not hasattr(e.offload, "_request_block_hashes"):
+        pytest.skip("this release's scan reads the hashes itself")
+    req = new_request(e, PROMPT_A)
+    bs = e.cfg.block_size
+    assert list(e.offload._request_block_hashes(req, bs)) == req.block_hashes
+    larger = e.offload._request_block_hashes(req, 2 * bs)
+    assert len(larger) == len(req.block_hashes) // 2
+    assert larger[0] not in req.block_hashes
 
 
 def switch_off_position_check(monkeypatch) -> None:
