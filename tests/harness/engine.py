@@ -98,6 +98,10 @@ class HarnessConfig:
     # Tokens one prefill chunk may take at most (0: the whole step budget),
     # so that a prefill can leave budget for other admissions in its step.
     long_prefill_token_threshold: int = 0
+    # Admit a new request only if its whole prompt fits what is free (the
+    # default); False checks only its first chunk, so an admission count can
+    # meet the pool's edge mid-prompt.
+    reserve_full_isl: bool = True
     # Steps after launch at which a transfer completes (0: in the same step).
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
 
@@ -137,6 +141,7 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
             policy=cfg.policy,
             async_scheduling=False,
             is_encoder_decoder=False,
+            **scheduler_options(cfg),
         ),
         cache_config=CacheConfig(
             block_size=cfg.block_size,
@@ -146,6 +151,14 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig("cpu"),
     )
+
+
+def scheduler_options(cfg: HarnessConfig) -> dict[str, Any]:
+    """SchedulerConfig's options that not every release has (0.19 lacks
+    scheduler_reserve_full_isl), given only where they are not the default."""
+    if cfg.reserve_full_isl:
+        return {}
+    return {"scheduler_reserve_full_isl": False}
 
 
 def shared_tensor(size: int, layers: list[str], page: int) -> KVCacheTensor:
@@ -444,6 +457,27 @@ class Engine:
         self._ids = itertools.count()
         # Requests whose next CPU->GPU load fails (see fail_next_load).
         self._failing_loads: set[str] = set()
+        self._guard_block_counts()
+
+    def _guard_block_counts(self) -> None:
+        """Fail at once when the GPU pool is asked for more blocks than it
+        has free while no peer shares it: the scheduler counts before it
+        allocates, so only a wrong count gets there. 0002 turns that refusal
+        into a preemption, which would hide the wrong count; a PeerEngine
+        (installed over this guard) makes refusals expected."""
+        pool = self.block_pool
+        get_new_blocks = pool.get_new_blocks
+
+        def counted_get_new_blocks(num_blocks: int) -> list[Any]:
+            shared = pool.get_new_blocks is not counted_get_new_blocks
+            if not shared and num_blocks > pool.get_num_free_blocks():
+                raise AssertionError(
+                    f"asked the unshared GPU pool for {num_blocks} blocks with "
+                    f"{pool.get_num_free_blocks()} free: a block count is wrong"
+                )
+            return get_new_blocks(num_blocks)
+
+        pool.get_new_blocks = counted_get_new_blocks
 
     # --- handles on the real objects -------------------------------------
     @property

@@ -288,3 +288,28 @@ def test_a_prompt_may_take_the_last_free_block():
     e.run(max_steps=20)
     assert whole in e.stats.finished
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_a_prompt_one_block_larger_than_the_free_pool_waits():
+    """The other side of that boundary: a prompt that needs one block more
+    than is free waits for it, without asking the pool for it (the harness
+    fails a request for more blocks than an unshared pool has free). With
+    the whole-prompt check off, allocate_slots's own count decides."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=9,
+            offload=False,
+            max_num_batched_tokens=128,
+            reserve_full_isl=False,
+        )
+    )
+    first = e.add_request([100 + t for t in range(3 * BS - 4)], max_tokens=3)
+    e.step()
+    free = e.block_pool.get_num_free_blocks()
+    larger = e.add_request([500 + t for t in range(free * BS + 1)], max_tokens=1)
+    e.step()
+    assert e.requests[larger].num_computed_tokens == 0
+    e.run(max_steps=20)
+    assert {first, larger} <= e.stats.finished
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
