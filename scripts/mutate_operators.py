@@ -203,6 +203,21 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     "entry and none read the same",
     (
         "Store the final blocks of a request",
+        "if block_ids and not store_state.finished:",
+        "core/ReplaceAndWithOr",
+    ): "the scheduler finishes a request once, so its store state is not "
+    "finished yet here; with no block ids the flush scans nothing and "
+    "queues nothing",
+    (
+        "Store the final blocks of a request",
+        "if block.block_hash is None:",
+        "core/ReplaceBreakWithContinue",
+    ): "cache_blocks hashes a group's blocks in order, so the hashed ones are "
+    "a prefix of the request's blocks (nulls aside, which are skipped "
+    "before): after an unhashed block every later one is unhashed too, and "
+    "continuing past it adds nothing",
+    (
+        "Store the final blocks of a request",
         "return bool(self._store_event_to_blocks or self._finish_flushes)",
         "core/ReplaceOrWithAnd",
     ): "0.20.2: nothing calls the connector's has_pending_stores",
