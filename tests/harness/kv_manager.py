@@ -24,6 +24,7 @@ def make_kv_cache_manager(
     block_size: int,
     max_tokens_per_step: int,
     enable_caching: bool = True,
+    hash_block_size: int | None = None,
 ) -> KVCacheManager:
     """A KVCacheManager that hashes and schedules in `block_size` blocks and
     expects at most `max_tokens_per_step` new tokens per step (a bound the
@@ -32,7 +33,7 @@ def make_kv_cache_manager(
     params = inspect.signature(KVCacheManager.__init__).parameters
     kwargs: dict[str, object] = {
         "max_model_len": max_model_len,
-        "hash_block_size": block_size,
+        "hash_block_size": hash_block_size or block_size,
         "enable_caching": enable_caching,
     }
     if "scheduler_block_size" in params:
@@ -92,14 +93,21 @@ def group_spec(kind: str, block_size: int) -> Any:
 
 
 def make_layout_manager(
-    layout: tuple[str, ...], num_blocks: int, block_size: int, max_model_len: int
+    layout: tuple[str, ...],
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    hash_block_size: int | None = None,
 ) -> KVCacheManager:
     """A KVCacheManager whose groups (in this order) share one pool of
     `num_blocks`. Encoder-decoder layouts (a cross-attention group) run
     without prefix caching, as vLLM runs them. Every group records the ids
     of the new blocks the worker zeroes (from 0.30 attention groups record
     them only where the worker must, for Mamba hybrids or mixed precision),
-    so that every undo of them is seen."""
+    so that every undo of them is seen. A `hash_block_size` below
+    `block_size` hashes at a finer grain than the blocks: from 0.33, with a
+    Mamba align group, a hit may then end inside a block (a partial hit),
+    which the allocation copies on write."""
     config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -114,6 +122,7 @@ def make_layout_manager(
         block_size=block_size,
         max_tokens_per_step=256,
         enable_caching="cross" not in layout,
+        hash_block_size=hash_block_size,
     )
     for group in manager.coordinator.single_type_managers:
         if hasattr(group, "_record_new_block_ids"):

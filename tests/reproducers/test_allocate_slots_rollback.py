@@ -178,6 +178,52 @@ def test_a_single_external_token_block_is_not_zeroed():
     assert loaded.block_id not in group.new_block_ids
 
 
+def partial_hit_manager(layout: tuple[str, ...]) -> KVCacheManager:
+    """Blocks of two hash blocks: from 0.33 a prefix hit may then end inside
+    a block (with a Mamba align group), and the allocation that follows
+    copies that block on write. Skips a release without such hits."""
+    manager = make_layout_manager(layout, 40, 2 * BS, 4096, hash_block_size=BS)
+    if not getattr(manager.coordinator, "enable_partial_hash_hits", False):
+        pytest.skip("this release has no prefix hits that end inside a block")
+    return manager
+
+
+@pytest.mark.parametrize("after_calls", [0, 1, 2])
+@pytest.mark.parametrize(
+    "layout", [("full", "mamba_align"), ("mamba_align", "full")], ids="+".join
+)
+def test_refusal_undoes_the_copy_on_write_of_a_partial_hit(layout, after_calls):
+    # A's prompt ends one token past a hash block, so the Mamba state is
+    # kept at 3 hash blocks: B's hit ends in the middle of its second block
+    # in both groups, and B's allocation copies that block on write (a new
+    # block, an extra ref on it, a pending copy). A refusal undoes all of it.
+    manager = partial_hit_manager(layout)
+    a = make_request("a", list(range(3 * BS + 1)))
+    assert schedule(manager, a, 3 * BS)
+    manager.free(a)
+    manager.new_step_starts()
+    b = make_request("b", list(range(3 * BS + 1)) + list(range(900, 980)))
+    assert computed_blocks(manager, b)[1] == 3 * BS
+    refuse_and_compare(manager, b, 64, after_calls)
+
+
+@pytest.mark.parametrize(
+    "layout", [("full", "mamba_align"), ("mamba_align", "full")], ids="+".join
+)
+def test_refusal_undoes_the_copy_on_write_of_a_running_producer(layout):
+    # A keeps its own Mamba state at 3 hash blocks (the end of its prompt but
+    # one token); its next step moves that cache entry to a new block and
+    # copies the state there. A refusal moves the entry back.
+    manager = partial_hit_manager(layout)
+    a = make_request("a", list(range(3 * BS + 1)))
+    assert schedule(manager, a, 3 * BS)
+    manager.new_step_starts()
+    groups = manager.coordinator.single_type_managers
+    assert any("a" in getattr(g, "_partial_hit_reqs", {}) for g in groups)
+    # Its last prompt token fits its blocks: the copy is the only new block.
+    refuse_and_compare(manager, a, 1, after_calls=0)
+
+
 class Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
