@@ -95,6 +95,8 @@ def dockerfile(version: str, fork_version: str, label: str, fingerprint: str) ->
 # local stand-in for it with --build-arg {BASE_ARG}=<stand-in>.
 ARG {BASE_ARG}={upstream_image(version)}
 FROM ${{{BASE_ARG}}}
+# Declared again so that the label below names the image actually built on.
+ARG {BASE_ARG}
 COPY {PAYLOAD}/ {IN_IMAGE}/
 # install.py refuses files that are not vLLM {version}'s own; vllm._fork
 # then fails the build unless Python imports the patched modules (-B: its
@@ -102,7 +104,7 @@ COPY {PAYLOAD}/ {IN_IMAGE}/
 RUN python3 {IN_IMAGE}/install.py {IN_IMAGE} && python3 -B -m vllm._fork
 LABEL org.opencontainers.image.title="vllm-fork" \\
       org.opencontainers.image.version="{fork_version}" \\
-      org.opencontainers.image.base.name="docker.io/{upstream_image(version)}" \\
+      org.opencontainers.image.base.name="${{{BASE_ARG}}}" \\
       io.github.vllm-fork.series="{fingerprint}"
 """
 

@@ -29,7 +29,9 @@ running as root; otherwise the command to install them is printed. The
 podman settings this machine needs (default_ulimits = [], chroot isolation)
 are written to .cache/podman/containers.conf unless CONTAINERS_CONF is set;
 the images are kept in a podman storage of make image's own,
-.cache/podman/<driver>/ (overlay where podman can use it, else vfs).
+.cache/podman/<driver>/ (overlay where podman can use it, else vfs). All
+of podman's side (the tools, their versions, the settings, the storage) is
+scripts/podman.py.
 """
 
 from __future__ import annotations
@@ -39,10 +41,9 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from changes import ship_tree
@@ -63,6 +64,7 @@ from common import (
 )
 from container import (
     BASE_ARG,
+    IN_IMAGE,
     check_context,
     image_tag,
     upstream_image,
@@ -70,6 +72,16 @@ from container import (
 )
 from image_check import SUMMARY_PREFIX
 from install import upstream_wheel
+from podman import (
+    STORAGE_DRIVERS,
+    Podman,
+    check_debian_keyring,
+    check_podman,
+    choose_podman,
+    containers_conf,
+    ensure_tools,
+    stream,
+)
 from repack import local_label
 from series import Series
 from testenv import build_hf_cache
@@ -79,8 +91,11 @@ from venv import DEFAULT_TORCH, TEST_REQS, adapted_requirements, ensure_venv
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEBIAN_PACKAGES = ("python3", "python3-pip", "ca-certificates")
-# Debian bookworm's python3 is 3.11; the wheelhouse is resolved for it.
+# Debian bookworm's python3 is 3.11 and its glibc 2.36: both wheelhouses are
+# resolved for them (pip download --python-version/--platform), whatever
+# Python runs `make image`.
 STANDIN_PYTHON = "3.11"
+STANDIN_GLIBC = "2.36"
 # The installer upstream's Dockerfile uses (`uv pip install --system`).
 UV_SPEC = "uv==0.13.9"
 # What the in-image check installs into a directory of its own.
@@ -90,21 +105,65 @@ CHECK_MOUNT = "/opt/vllm-fork-check"
 IMAGE_CACHE = CACHE / "image"
 IMAGE_WORK = WORK / "image"
 LOGS = WORK / "logs"
-PODMAN_CONF = CACHE / "podman" / "containers.conf"
-# Without it, every RUN fails here: "setrlimit RLIMIT_NOFILE: Operation not
-# permitted" (the container may not raise its open-files limit).
-PODMAN_CONF_TEXT = "[containers]\ndefault_ulimits = []\n"
-# make image keeps its images in a podman storage of its own (one per
-# driver), so it never meets the settings of the user's podman storage.
-PODMAN_STORAGE = CACHE / "podman"
-# overlay where the kernel (or fuse-overlayfs) allows it; vfs works
-# everywhere, but copies the whole file system for every layer.
-STORAGE_DRIVERS = ("overlay", "vfs")
+# Where a CPU torch wheel is looked for (pip's find-links here, and ours).
+TORCH_DIRS = (CACHE / "wheels", Path("/opt/wheels"))
 
 
 def short_hash(data: object) -> str:
     text = json.dumps(data, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def download_args(python: str, glibc: str) -> list[str]:
+    """pip download's flags for wheels that install on CPython `python` with
+    glibc `glibc` on x86_64, whatever interpreter runs pip. pip does not
+    widen a --platform to older manylinux tags, so each is named."""
+    major, minor = (int(x) for x in glibc.split("."))
+    tags = [f"manylinux_{major}_{m}_x86_64" for m in range(minor, 16, -1)]
+    tags += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+    abi = "cp" + python.replace(".", "")
+    args = ["--python-version", python, "--implementation", "cp", "--abi", abi]
+    for tag in tags:
+        args += ["--platform", tag]
+    return [*args, "--only-binary=:all:"]
+
+
+def find_links_dirs() -> list[Path]:
+    """Ours, then the directories PIP_FIND_LINKS names."""
+    env = os.environ.get("PIP_FIND_LINKS", "").split()
+    dirs = [Path(d.removeprefix("file://")) for d in env if "://" not in d]
+    dirs += [Path(d[len("file://") :]) for d in env if d.startswith("file://")]
+    return [*TORCH_DIRS, *(d for d in dirs if d not in TORCH_DIRS)]
+
+
+def cpu_torch(spec: str, python: str, dirs: list[Path]) -> Path:
+    """The CPU build of the torch `spec` pins, for CPython `python`, from a
+    local directory. Never PyPI's: there `torch==X` is the CUDA build."""
+    m = re.fullmatch(r"torch==([0-9][0-9a-z.]*?)(\+cpu)?", spec.replace(" ", ""))
+    if m is None:
+        raise ForkError(
+            f"the stand-in needs torch pinned as torch==X.Y.Z, not {spec!r}"
+        )
+    cp = "cp" + python.replace(".", "")
+    name = f"torch-{m[1]}+cpu-{cp}-{cp}-manylinux*_x86_64.whl"
+    for d in dirs:
+        found = sorted(d.glob(name))
+        if found:
+            return found[-1]
+    raise ForkError(
+        f"the stand-in needs torch {m[1]}'s CPU wheel for Python {python} "
+        f"({name}), found in none of {', '.join(map(str, dirs))}; PyPI's "
+        f"torch=={m[1]} is the CUDA build, which is not used. Download it from "
+        f"https://download.pytorch.org/whl/cpu/torch/ into {rel(TORCH_DIRS[0])}/"
+    )
 
 
 @dataclass(frozen=True)
@@ -113,7 +172,8 @@ class StandIn:
 
     Everything that goes into the image is named here, so that its hash
     keys the cached image: the same recipe is never built twice, a changed
-    one (another torch, a new common.txt, another package) is.
+    one (another torch, a new common.txt, another package, another vllm
+    wheel) is.
     """
 
     version: str
@@ -124,9 +184,15 @@ class StandIn:
     mirror: str = DEBIAN_MIRROR
     packages: tuple[str, ...] = DEBIAN_PACKAGES
     python: str = STANDIN_PYTHON
+    glibc: str = STANDIN_GLIBC
+    vllm_sha256: str = ""  # upstream's wheel that is installed
+    torch_wheel: str = ""  # the CPU torch wheel's file name
 
     def rootfs_key(self) -> str:
-        return short_hash(["minbase", self.suite, self.mirror, list(self.packages)])
+        return short_hash(self.mmdebstrap_cmd(Path("rootfs.tar")))
+
+    def download_args(self) -> list[str]:
+        return download_args(self.python, self.glibc)
 
     def key(self) -> str:
         return short_hash(
@@ -137,6 +203,9 @@ class StandIn:
                 self.torch,
                 self.uv,
                 self.python,
+                self.download_args(),
+                self.vllm_sha256,
+                self.torch_wheel,
                 self.dockerfile(),
             ]
         )
@@ -159,9 +228,13 @@ class StandIn:
             self.mirror,
         ]
 
+    def torch_requirement(self) -> str:
+        """torch pinned to its CPU build (the wheelhouse has only that)."""
+        return self.torch.split("+")[0] + "+cpu"
+
     def wheelhouse_reqs(self) -> str:
         """requirements.txt of the wheelhouse (vllm itself goes --no-deps)."""
-        return f"{self.torch}\n{self.requirements}"
+        return f"{self.torch_requirement()}\n{self.requirements}"
 
     def dockerfile(self) -> str:
         uv = (
@@ -178,14 +251,15 @@ FROM ${{ROOTFS}}
 ENV DEBIAN_FRONTEND=noninteractive UV_LINK_MODE=copy
 WORKDIR /vllm-workspace
 # One RUN, one layer; the wheels are mounted, not copied into the image.
-# Bytecode is compiled for vllm so that the overlay must deal with stale
-# .pyc files (uv leaves none by default: the harder case is tested).
+# vllm's bytecode is compiled unchecked-hash: Python then uses each .pyc
+# without looking at its source, so the overlay must remove the stale ones
+# (uv leaves none by default: the worst case is tested).
 RUN --mount=type=bind,source=wheels,target=/tmp/wheels \\
     python3 -m pip install -q --break-system-packages --no-cache-dir \\
         --no-index --find-links /tmp/wheels {self.uv} \\
     && {uv} -r /tmp/wheels/requirements.txt \\
     && {uv} --no-deps /tmp/wheels/vllm-{self.version}-*.whl \\
-    && python3 -m compileall -q -j 0 \\
+    && python3 -m compileall -q -j 0 --invalidation-mode unchecked-hash \\
         "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/vllm" \\
     && python3 -c 'import importlib.metadata as m; print("vllm", m.version("vllm"))'
 ENV VLLM_USAGE_SOURCE=production-docker-image
@@ -201,7 +275,8 @@ def check_dockerfile() -> str:
 ARG IMAGE
 FROM ${{IMAGE}}
 RUN --mount=type=bind,source=.,target={CHECK_MOUNT} \\
-    python3 {CHECK_MOUNT}/image_check.py {CHECK_MOUNT}
+    python3 {CHECK_MOUNT}/image_check.py {CHECK_MOUNT} \\
+        --manifest {IN_IMAGE}/manifest.json
 """
 
 
@@ -236,166 +311,6 @@ def write_check_context(series: Series, out: Path, wheels: Path) -> Path:
     return out
 
 
-def missing_tools_message(tools: list[str], is_root: bool, has_apt: bool) -> str:
-    """What to do when podman (or mmdebstrap) is not installed."""
-    names = " ".join(tools)
-    if has_apt and is_root:
-        how = f"apt-get update && apt-get install -y {names}"
-    elif has_apt:
-        how = f"sudo apt-get update && sudo apt-get install -y {names}"
-    else:
-        how = f"install {names} with your system's package manager"
-    return (
-        f"`make image` needs {names}, which is not on PATH. Install it with:\n"
-        f"  {how}\n"
-        "(Debian bookworm's podman 4.3 is enough; `make image` installs it itself "
-        "when it runs as root on a system with apt-get.)"
-    )
-
-
-def ensure_tools(tools: list[str], install: bool) -> None:
-    missing = [t for t in tools if shutil.which(t) is None]
-    if not missing:
-        return
-    is_root = hasattr(os, "geteuid") and os.geteuid() == 0
-    has_apt = shutil.which("apt-get") is not None
-    if not (install and is_root and has_apt):
-        raise ForkError(missing_tools_message(missing, is_root, has_apt))
-    step(f"installing {' '.join(missing)} (apt-get)")
-    env = {"DEBIAN_FRONTEND": "noninteractive"}
-    run(["apt-get", "update", "-qq"], env=env)
-    run(["apt-get", "install", "-y", "-qq", *missing], env=env)
-    still = [t for t in missing if shutil.which(t) is None]
-    if still:
-        raise ForkError(f"apt-get installed no {' '.join(still)}")
-
-
-def containers_conf() -> Path:
-    """The containers.conf podman uses: CONTAINERS_CONF's, or ours."""
-    given = os.environ.get("CONTAINERS_CONF")
-    if given:
-        if not Path(given).is_file():
-            raise ForkError(
-                f"CONTAINERS_CONF names {given}, which does not exist: unset it "
-                f"to use {rel(PODMAN_CONF)}, or create it with:\n{PODMAN_CONF_TEXT}"
-            )
-        return Path(given)
-    PODMAN_CONF.parent.mkdir(parents=True, exist_ok=True)
-    if not PODMAN_CONF.is_file() or PODMAN_CONF.read_text() != PODMAN_CONF_TEXT:
-        PODMAN_CONF.write_text(PODMAN_CONF_TEXT)
-    return PODMAN_CONF
-
-
-@dataclass
-class Podman:
-    """podman with this machine's settings, its output logged."""
-
-    storage_driver: str = "overlay"
-    conf: Path = field(default_factory=lambda: PODMAN_CONF)
-    storage: Path = PODMAN_STORAGE
-
-    def env(self) -> dict[str, str]:
-        return {"CONTAINERS_CONF": str(self.conf)}
-
-    def global_args(self) -> list[str]:
-        where = self.storage / self.storage_driver
-        return [
-            f"--root={where / 'storage'}",
-            f"--runroot={where / 'run'}",
-            f"--storage-driver={self.storage_driver}",
-        ]
-
-    def cmd(self, *args: str | Path) -> list[str]:
-        return ["podman", *self.global_args(), *map(str, args)]
-
-    def works(self) -> bool:
-        """Whether podman can open its storage with this driver."""
-        proc = run(self.cmd("info"), env=self.env(), check=False)
-        return proc.returncode == 0
-
-    def output(self, *args: str | Path) -> str:
-        return run(self.cmd(*args), env=self.env()).stdout
-
-    def exists(self, tag: str) -> bool:
-        proc = run(self.cmd("image", "exists", tag), env=self.env(), check=False)
-        return proc.returncode == 0
-
-    def size(self, tag: str) -> int:
-        return int(self.output("image", "inspect", "--format", "{{.Size}}", tag))
-
-    def layer_sizes(self, tag: str) -> list[int]:
-        """Sizes of the image's layers, newest first (`podman history`)."""
-        history = json.loads(self.output("history", "--format", "json", tag))
-        return [int(h.get("size", 0)) for h in history]
-
-    def build_cmd(
-        self, context: Path, tag: str, build_args: dict[str, str], layers: bool = True
-    ) -> list[str]:
-        args = ["build", "--isolation=chroot", f"--layers={str(layers).lower()}"]
-        for name, value in build_args.items():
-            args += ["--build-arg", f"{name}={value}"]
-        return self.cmd(*args, "-t", tag, context)
-
-    def build(
-        self,
-        context: Path,
-        tag: str,
-        build_args: dict[str, str],
-        log: Path,
-        layers: bool = True,
-    ) -> str:
-        """Build, echoing podman's output and logging it; return the output."""
-        cmd = self.build_cmd(context, tag, build_args, layers)
-        return stream(cmd, self.env(), log, f"podman build of {tag}")
-
-
-def choose_podman(driver: str, conf: Path) -> Podman:
-    """podman with `driver`, or with the first that works for "auto"."""
-    for name in STORAGE_DRIVERS if driver == "auto" else (driver,):
-        podman = Podman(name, conf)
-        if podman.works():
-            return podman
-        say(f"    podman cannot use the {name} storage driver here")
-    tried = ", ".join(STORAGE_DRIVERS) if driver == "auto" else driver
-    last = Podman(STORAGE_DRIVERS[-1] if driver == "auto" else driver, conf)
-    raise ForkError(
-        f"podman cannot open its storage in {rel(PODMAN_STORAGE)}/ with the "
-        f"storage driver {tried}: `{' '.join(last.cmd('info'))}` says why"
-    )
-
-
-def stream(cmd: list[str], env: dict[str, str], log: Path, what: str) -> str:
-    """Run `cmd`, its output to the terminal (indented) and to `log`."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    say(f"    $ {' '.join(cmd)}")
-    lines = []
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env={**os.environ, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-        )
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.write(line)
-            lines.append(line)
-            say("    | " + line.rstrip("\n"))
-        code = proc.wait()
-    text = "".join(lines)
-    if code != 0:
-        hint = ""
-        if "RLIMIT_NOFILE" in text:
-            hint = (
-                f"\nThe containers.conf in use ({os.environ.get('CONTAINERS_CONF')}"
-                f") must hold:\n{PODMAN_CONF_TEXT}"
-            )
-        raise ForkError(f"{what} failed (exit {code}); full log: {rel(log)}{hint}")
-    return text
-
-
 def pip_download(python: Path, dest: Path, args: list[str]) -> None:
     run(
         [
@@ -406,8 +321,6 @@ def pip_download(python: Path, dest: Path, args: list[str]) -> None:
             "--disable-pip-version-check",
             "--progress-bar",
             "off",
-            "--only-binary",
-            ":all:",
             "-d",
             dest,
             *args,
@@ -418,13 +331,17 @@ def pip_download(python: Path, dest: Path, args: list[str]) -> None:
 
 def wheelhouse(python: Path, dest: Path, requirements: str, extra: list[str]) -> Path:
     """Download the wheels `requirements` need into `dest` (once: a stamp
-    records what was downloaded) and write dest/requirements.txt."""
+    records the requirements and pip's flags, the target Python and
+    platform among them) and write dest/requirements.txt."""
     stamp = dest / ".fork-wheels.stamp"
     digest = short_hash([requirements, extra])
     if stamp.is_file() and stamp.read_text() == digest:
         return dest
     step(f"downloading wheels into {rel(dest)}/")
     dest.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    for old in dest.glob("*.whl"):
+        old.unlink()
     (dest / "requirements.txt").write_text(requirements)
     pip_download(python, dest, ["-r", str(dest / "requirements.txt"), *extra])
     stamp.write_text(digest)
@@ -439,9 +356,16 @@ def link_or_copy(src: Path, dest: Path) -> None:
         shutil.copyfile(src, dest)
 
 
-def python_minor(python: Path) -> str:
-    code = "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"
-    return run([python, "-c", code]).stdout.strip()
+def standin_recipe(python: Path, version: str, requirements: str) -> StandIn:
+    """The recipe, with the two wheels it installs found (and hashed)."""
+    vllm = upstream_wheel(python, version)
+    torch = cpu_torch(DEFAULT_TORCH, STANDIN_PYTHON, find_links_dirs())
+    return StandIn(
+        version,
+        requirements,
+        vllm_sha256=sha256_file(vllm),
+        torch_wheel=torch.name,
+    )
 
 
 def build_standin(
@@ -451,15 +375,9 @@ def build_standin(
     if podman.exists(recipe.tag) and not rebuild:
         say(f"    cached: {recipe.tag}")
         return recipe.tag, False
-    have = python_minor(python)
-    if have != recipe.python:
-        raise ForkError(
-            f"the stand-in's wheels are downloaded with {python} (Python {have}), "
-            f"but the stand-in runs Debian {recipe.suite}'s Python {recipe.python}: "
-            f"set VLLM_FORK_VENV to a Python {recipe.python} environment"
-        )
     if not podman.exists(recipe.rootfs_tag) or rebuild:
         ensure_tools(["mmdebstrap"], install)
+        check_debian_keyring()
         WORK.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=WORK) as tmp:
             tar = Path(tmp) / "rootfs.tar"
@@ -469,8 +387,16 @@ def build_standin(
             )
             podman.output("import", tar, recipe.rootfs_tag)
     context = IMAGE_CACHE / f"standin-v{recipe.version}"
-    wheels = wheelhouse(python, context / "wheels", recipe.wheelhouse_reqs(), [UV_SPEC])
+    torch = cpu_torch(recipe.torch, recipe.python, find_links_dirs())
+    wheels = wheelhouse(
+        python,
+        context / "wheels",
+        recipe.wheelhouse_reqs(),
+        [*recipe.download_args(), "--find-links", str(torch.parent), UV_SPEC],
+    )
     vllm = upstream_wheel(python, recipe.version)
+    if sha256_file(vllm) != recipe.vllm_sha256:
+        raise ForkError(f"{rel(vllm)} changed while `make image` ran")
     for old in wheels.glob("vllm-*.whl"):
         old.unlink()
     link_or_copy(vllm, wheels / vllm.name)
@@ -488,11 +414,11 @@ def build_standin(
 
 def human(n: int) -> str:
     size = float(n)
-    for unit in ("B", "kB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
+    for unit in ("B", "kB", "MB"):
+        if size < 1000:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
-    return f"{n} B"
+    return f"{size:.1f} GB"
 
 
 def overlay_layers(image: list[int], base: list[int]) -> int:
@@ -549,6 +475,7 @@ def main() -> int:
     series = Series(args.series.resolve())
     version = series.base().version
     ensure_tools(["podman"], not args.no_install)
+    check_podman()
     podman = choose_podman(args.storage_driver, containers_conf())
 
     t = time.monotonic()
@@ -563,8 +490,8 @@ def main() -> int:
         )
 
     python = ensure_venv("build")
-    recipe = StandIn(
-        version, adapted_requirements(tree / "requirements" / "common.txt")
+    recipe = standin_recipe(
+        python, version, adapted_requirements(tree / "requirements" / "common.txt")
     )
     step(f"the stand-in for {upstream_image(version)}")
     standin, built = build_standin(
@@ -583,7 +510,10 @@ def main() -> int:
     t = time.monotonic()
     step("running the reproducers in the image")
     check_wheels = wheelhouse(
-        python, IMAGE_CACHE / "check-wheels", "\n".join(CHECK_REQS) + "\n", []
+        python,
+        IMAGE_CACHE / "check-wheels",
+        "\n".join(CHECK_REQS) + "\n",
+        recipe.download_args(),
     )
     check_ctx = write_check_context(
         series, IMAGE_WORK / f"check-v{version}", check_wheels
@@ -603,7 +533,7 @@ def main() -> int:
     image_size = podman.size(tag)
     layers = overlay_layers(podman.layer_sizes(tag), podman.layer_sizes(standin))
     say("")
-    say(f"image        {tag} (podman {' '.join(podman.global_args())})")
+    say(f"image        {tag}")
     say(f"stand-in     {standin} ({human(standin_size)})")
     say(f"image size   {human(image_size)} ({image_size} bytes)")
     say(f"overlay      {human(layers)} ({layers} bytes: the layers on the stand-in)")
@@ -612,6 +542,7 @@ def main() -> int:
         say(f"time         {name}: {seconds:.0f}s")
     total = time.monotonic() - start
     say(f"total        {total:.0f}s (logs in {rel(LOGS)}/image-*.log)")
+    say(f"the images:  {podman.shell_cmd('images')}")
     say(
         f"with Docker: docker build -t {image_tag(version, local_label(series))} "
         f"{rel(context)}  (FROM {upstream_image(version)})"

@@ -186,6 +186,25 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     "default cache_blocks reads; a refusal frees that registration again",
     (
         "allocate_slots: give back everything",
+        "or num_external_computed_tokens > 0",
+        "core/NumberReplacer",
+    ): "0.20.2 (> -1): the same as >= 0, see the ReplaceComparisonOperator claim "
+    "(0.33.0's > 1 is killed: its single external token's block goes unzeroed)",
+    (
+        "allocate_slots: give back everything",
+        "num_blocks=-1 if req_blocks is None else len(req_blocks),",
+        "core/NumberReplacer",
+    ): "0.33.0: any negative count marks a request that had no entry; the undo "
+    "reads it only as < 0 and as max(num_blocks, 0)",
+    (
+        "allocate_slots: give back everything",
+        "if mark.num_blocks < 0 and not self.req_to_blocks.get(request_id):",
+        "core/ReplaceAndWithOr",
+    ): "0.33.0: a request with no entry before has its list cut back to empty "
+    "just above, so only an empty list is ever dropped, and req_to_blocks is "
+    "a defaultdict: an empty entry and none read the same",
+    (
+        "allocate_slots: give back everything",
         "tail_start = max(0, prev_block_len - self.num_speculative_blocks)",
         "core/NumberReplacer",
     ): "align mode moves the speculative tail only of a request it allocated "
@@ -210,9 +229,10 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     "queues nothing",
     (
         "Store the final blocks of a request",
-        "if block.block_hash is None:",
+        "break",
         "core/ReplaceBreakWithContinue",
-    ): "cache_blocks hashes a group's blocks in order, so the hashed ones are "
+    ): "the flush's stop at an unhashed block: "
+    "cache_blocks hashes a group's blocks in order, so the hashed ones are "
     "a prefix of the request's blocks (nulls aside, which are skipped "
     "before): after an unhashed block every later one is unhashed too, and "
     "continuing past it adds nothing",
