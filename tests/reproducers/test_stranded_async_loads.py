@@ -313,3 +313,36 @@ def test_a_prompt_one_block_larger_than_the_free_pool_waits():
     e.run(max_steps=20)
     assert {first, larger} <= e.stats.finished
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_an_inflight_prefill_reserves_only_its_window_of_sliding_window_blocks():
+    """A hybrid model's sliding-window group drops blocks behind the window
+    as a prefill goes on, so an in-flight prefill reserves only what its
+    window can hold at once there (the admission cap), not a block per
+    prompt block: beside A's 40-block prefill B's load is admitted at once
+    (counting A's window blocks whole would keep it waiting until A ends)."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=96,
+            num_cpu_blocks=256,
+            hybrid=True,
+            sliding_window=3 * BS,
+            long_prefill_token_threshold=4 * BS,
+            transfer_delay=lambda is_store: 0 if is_store else 10,
+        )
+    )
+    e.add_request(LOAD_B, max_tokens=2)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    a = e.add_request([8000 + t for t in range(40 * BS)], max_tokens=2)
+    e.step()
+    b = e.add_request(LOAD_B + [6] * (6 * BS), max_tokens=2)
+    e.step()
+    loads = [x for x in e.copy_backend.launched if not x["is_store"]]
+    assert loads, "B's load should start beside A's prefill"
+    assert e.requests[a].num_computed_tokens < e.requests[a].num_tokens
+    e.run(max_steps=300, after_step=check_inflight_prefills)
+    assert {a, b} <= e.stats.finished
+    assert e.stats.preemptions == 0
+    assert e.runner.violations == []
