@@ -15,6 +15,7 @@ from mutate import code_of, hunks_of
 from mutate_operators import (
     EXCLUDED_OPERATORS,
     blame,
+    claim_holds_on,
     is_mutation_subject,
     write_config,
 )
@@ -133,3 +134,9 @@ def test_every_equivalence_claim_names_a_patch_of_a_series():
     ]
     stale = [c for c in claims if not any(c in subject for subject in subjects)]
     assert not stale
+
+
+def test_a_claim_that_names_a_release_holds_on_that_release_only():
+    assert claim_holds_on("0.20.2: nothing calls it", "upstream/v0.20.2")
+    assert not claim_holds_on("0.20.2: nothing calls it", "upstream/v0.33.0")
+    assert claim_holds_on("no release named", "upstream/v0.33.0")
