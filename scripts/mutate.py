@@ -33,6 +33,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -141,10 +142,17 @@ def hunks_of(tree: Path, base_tag: str) -> list[Hunk]:
     return out
 
 
+# CPython 3.11's parser is not safe to run from two threads at once (it
+# raised "AST constructor recursion depth mismatch" here): hunks are tried
+# two at a time, so their parses take turns.
+PARSE_LOCK = threading.Lock()
+
+
 def code_of(source: str) -> str:
     """The syntax tree without docstrings and annotations (neither runs):
     what a revert must change to change behaviour."""
-    tree = ast.parse(source)
+    with PARSE_LOCK:
+        tree = ast.parse(source)
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             node.returns = None
