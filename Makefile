@@ -56,7 +56,8 @@ import: ## add an upstream fix as the next patch (ARGS="--repo CLONE RANGE" or A
 
 rebase: ## move the series onto another release: make rebase BASE=0.33.0
 	@test -n "$(BASE)" || { echo "usage: make rebase BASE=<release or git ref> [INTO=dir]"; exit 2; }
-	$(PYTHON) scripts/rebase.py --base $(BASE) --series $(SERIES) --tree $(TREE) \
+	$(PYTHON) scripts/rebase.py --base $(BASE) --tree $(TREE) \
+		$(if $(filter command line environment,$(origin SERIES)),--series $(SERIES)) \
 		$(if $(INTO),--into $(INTO)) $(if $(VERSION),--version $(VERSION)) \
 		$(if $(GIT_URL),--git-url $(GIT_URL))
 

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from resolutions import STORE, TREE_PORTS, gitdir, seed_conflicts, seed_ports
+
 from apply import checkout_release, fetch_base, init_tree
 from common import (
     CACHE,
@@ -46,14 +48,10 @@ from rebase import (
     CLEAN,
     CONFLICT,
     MERGED,
-    RESOLUTIONS,
-    TREE_PORTS,
     UPSTREAM,
     am_in_progress,
     build_old_series,
-    gitdir,
     replay_one,
-    seed_resolutions,
 )
 from series import BASE_FILE, Base, Series
 from testenv import reproducer_verdicts
@@ -91,6 +89,7 @@ def replay_release(
     tree: Path, series: Series, base: Base, cache_repo: Path, verdicts: dict
 ) -> dict[str, dict]:
     fetch_base(tree, base, cache_repo)
+    seed_conflicts(tree, STORE, time.time() - 60, cache_repo)
     git(tree, "checkout", "-q", "-B", f"matrix/v{base.version}", base.tag)
     results = {}
     for p in series.patches():
@@ -122,11 +121,12 @@ def build(
     own = series.base()
     fetch_base(tree, own, ensure_base(own, series.base_file, cache))
     build_old_series(tree, series)
-    # Recorded resolutions of every series in the project, and nothing else.
+    # The project's recorded resolutions, and nothing else (seeded again for
+    # each release: a resolution is rebuilt from the upstream file it was
+    # made on, once that release is imported).
     shutil.rmtree(gitdir(tree) / "rr-cache", ignore_errors=True)
     shutil.rmtree(gitdir(tree) / TREE_PORTS, ignore_errors=True)
-    sources = sorted({series.dir / RESOLUTIONS, *DEFAULT_SERIES.glob("**/resolutions")})
-    seed_resolutions(tree, sources, time.time() - 60)
+    seed_ports(tree, STORE)
     ids = [t for p in series.patches() for t in p.reproducers()]
     matrix: dict = {
         "series": rel(series.dir),

@@ -7,6 +7,11 @@
   make rebase-continue                    after resolving a conflict
   make rebase-abort                       give up; everything as it was
 
+The series moved is, unless SERIES= names one, the nearest existing series
+on the way from the default one (patches/, on 0.20.2): for a newer release
+the newest series below it, for an older one the oldest series above it. So
+a release published after every series here follows from the newest one.
+
 The new release is imported and checked out bare (.work/v<new>/base), each
 patch's reproducers are run on it, and the series is replayed in the tree
 (default vllm/, branch fork/v<new>), patch by patch. Every patch ends in
@@ -20,33 +25,49 @@ exactly one state:
             there (reverse-applies, or the merge leaves nothing to commit)
   conflict  stops: the tree is left mid-`git am` for you to resolve
 
-Conflicts are recorded with git rerere. Their resolutions are stored with
-the new series (INTO/resolutions/) and seeded into the tree before the next
-replay, so a conflict resolved once is resolved the same way next time.
-A hand resolution is also kept whole, as a diff (a port), for the same
-patch on the same files; a patch changed since, whose hunks rerere still
-resolves, stops anyway: carry over what else that port edited.
+Conflicts are recorded with git rerere, and a hand resolution is also kept
+whole, as a diff (a port). Both go to the resolution store beside INTO
+(patches/resolutions/, shared by every release's series; see
+scripts/resolutions.py) and are seeded into the tree before the next
+replay, so a conflict resolved once is resolved the same way next time. A
+patch changed since it was ported for this release, whose hunks rerere
+still resolves, stops anyway: carry over what else that port edited.
 
 Nothing in INTO (default patches/v<new>/) or SERIES changes until every
-patch is through; then INTO receives base.toml, the patches, resolutions/
-and REBASE.md (the table: where each patch of the old series went), and the
-tree is rebuilt from INTO as `make apply` would. The rebase state is kept in
-the tree's .git directory (vllm-fork-rebase.json, with a copy of the
-patches), so the series directory may change meanwhile.
+patch is through; then INTO receives base.toml, the patches and REBASE.md
+(the table: where each patch of the old series went, and the store entries
+it used), the store the new resolutions (entries no series uses any more
+are removed), and the tree is rebuilt from INTO as `make apply` would. The
+rebase state is kept in the tree's .git directory (vllm-fork-rebase.json,
+with a copy of the patches), so the series directory may change meanwhile.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import shutil
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from resolutions import (
+    PORT_DIFF,
+    USED_LINE,
+    apply_port,
+    gitdir,
+    merge_rr,
+    patch_paths,
+    prune,
+    record_port,
+    save_conflict,
+    save_port,
+    seed_conflicts,
+    seed_ports,
+    stale_port,
+    used_conflicts,
+)
 
 from apply import (
     REBASE_STATE,
@@ -77,9 +98,9 @@ from common import (
     step,
     tool_identity_env,
 )
-from fetch import ensure_base, resolve_git, resolve_release
+from fetch import ensure_base, resolve_git, resolve_release, upstream_repo
 from refresh import format_patches
-from series import BASE_FILE, Base, Series, read_base
+from series import BASE_FILE, Base, Series, find_series, read_base, version_key
 from testenv import Verdict, reproducer_verdicts
 
 CLEAN, MERGED, UPSTREAM, CONFLICT, PENDING = (
@@ -92,12 +113,6 @@ CLEAN, MERGED, UPSTREAM, CONFLICT, PENDING = (
 OLD_SERIES_REF = "refs/vllm-fork/old-series"
 SNAPSHOT = "vllm-fork-rebase"  # in the tree's .git: the patches being replayed
 RESOLUTIONS = "resolutions"
-# Hand resolutions kept as diffs ("ports"), in RESOLUTIONS/ports/<key>/, and
-# the tree's copies of them.
-PORTS = "ports"
-PORT_META = "port.json"
-PORT_DIFF = "port.diff"
-TREE_PORTS = "vllm-fork-ports"
 REPORT = "REBASE.md"
 LOGS = WORK / "logs"
 VERSION_RE = re.compile(r"v?(\d+\.\d+\.\d+(?:(?:\.post|\.dev|rc|a|b)\d+)*)")
@@ -110,7 +125,7 @@ class Outcome:
     state: str
     detail: str
     files: list[str] = field(default_factory=list)
-    conflict_ids: list[str] = field(default_factory=list)
+    conflicts: dict[str, str] = field(default_factory=dict)  # rerere id -> path
     port: str = ""
 
 
@@ -148,6 +163,13 @@ class State:
     stopped_at: int = -1
     stopped_head: str = ""
     started: float = 0.0
+    # rerere's conflict ids and the files they are in: what the store keeps
+    # of each resolution (see resolutions.py).
+    conflict_paths: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def store(self) -> Path:
+        return store_for(Path(self.into))
 
     @property
     def new(self) -> Base:
@@ -180,8 +202,10 @@ class State:
         return cls(**data)
 
 
-def gitdir(tree: Path) -> Path:
-    return Path(git(tree, "rev-parse", "--absolute-git-dir"))
+def store_for(into: Path) -> Path:
+    """The resolution store shared by the series beside `into`
+    (patches/resolutions/ for patches/v<release>/)."""
+    return into.parent / RESOLUTIONS
 
 
 def state_file(tree: Path) -> Path:
@@ -192,204 +216,11 @@ def head(tree: Path) -> str:
     return git(tree, "rev-parse", "HEAD")
 
 
-# --- rerere: recorded conflict resolutions -----------------------------------
-
-
-def resolution_files(entry_dir: Path) -> list[Path]:
-    """The files rerere needs to replay a resolution: pre- and postimages."""
-    return sorted(
-        p for p in entry_dir.iterdir() if p.name.startswith(("preimage", "postimage"))
-    )
-
-
-def seed_resolutions(tree: Path, sources: list[Path], mtime: float) -> int:
-    """Turn rerere on in the tree and give it the recorded resolutions.
-
-    An entry the tree already has is kept: it may be a resolution made here
-    after the recorded one, and it is never overwritten. The copies are dated
-    `mtime` (before the rebase started): rerere touches the postimage of a
-    resolution it replays, which is how `used_resolutions` finds them."""
-    git(tree, "config", "rerere.enabled", "true")
-    git(tree, "config", "rerere.autoupdate", "true")
-    cache = gitdir(tree) / "rr-cache"
-    seeded = 0
-    for source in sources:
-        if not source.is_dir():
-            continue
-        seeded += seed_ports(tree, source / PORTS)
-        for entry in sorted(p for p in source.iterdir() if p.is_dir()):
-            if entry.name == PORTS:
-                continue
-            dest = cache / entry.name
-            if (dest / "postimage").exists():
-                continue
-            dest.mkdir(parents=True, exist_ok=True)
-            for f in resolution_files(entry):
-                shutil.copyfile(f, dest / f.name)
-                os.utime(dest / f.name, (mtime, mtime))
-            seeded += 1
-    return seeded
-
-
-def used_resolutions(tree: Path, since: float) -> list[str]:
-    """Resolutions recorded or replayed since `since`."""
-    cache = gitdir(tree) / "rr-cache"
-    if not cache.is_dir():
-        return []
-    return sorted(
-        entry.name
-        for entry in cache.iterdir()
-        if any(p.stat().st_mtime >= since for p in entry.glob("postimage*"))
-    )
-
-
-def conflict_ids(tree: Path) -> list[str]:
-    """rerere's ids of the conflicts in the tree now (from .git/MERGE_RR)."""
-    merge_rr = gitdir(tree) / "MERGE_RR"
-    if not merge_rr.exists():
-        return []
-    ids = []
-    for item in merge_rr.read_text().split("\0"):
-        if "\t" in item:
-            ids.append(item.split("\t", 1)[0])
-    return sorted(set(ids))
-
-
-def save_resolutions(tree: Path, ids: list[str], dest: Path) -> list[str]:
-    """Copy the tree's resolutions of `ids` to dest/<id>/; the ids copied."""
-    saved = []
-    for conflict_id in sorted(set(ids)):
-        src = gitdir(tree) / "rr-cache" / conflict_id
-        if not (src / "postimage").exists():
-            continue
-        (dest / conflict_id).mkdir(parents=True, exist_ok=True)
-        for f in resolution_files(src):
-            shutil.copyfile(f, dest / conflict_id / f.name)
-        saved.append(conflict_id)
-    return saved
-
-
-# --- ports: hand resolutions as diffs -----------------------------------------
-# rerere replays the resolution of each conflicted hunk, not the edits made
-# around them. A port (a patch rewritten for the new release) changes more
-# than the hunks, so each hand resolution is also kept as its diff from the
-# files before it, keyed on the patch and on those files. A changed patch or
-# base gets a new key: rerere's hunks, then the user.
-
-
-def port_key(tree: Path, patch: Path, before: str) -> str:
-    digest = hashlib.sha256(patch.read_bytes())
-    for path in patch_paths(patch):
-        blob = git(tree, "rev-parse", "-q", "--verify", f"{before}:{path}", check=False)
-        digest.update(f"\0{path}\0{blob or 'absent'}".encode())
-    return digest.hexdigest()[:40]
-
-
-def seed_ports(tree: Path, source: Path) -> int:
-    """Copy recorded ports into the tree (an entry there is kept)."""
-    if not source.is_dir():
-        return 0
-    seeded = 0
-    for entry in sorted(p for p in source.iterdir() if (p / PORT_META).exists()):
-        dest = gitdir(tree) / TREE_PORTS / entry.name
-        if not dest.exists():
-            shutil.copytree(entry, dest)
-            seeded += 1
-    return seeded
-
-
-def save_port(tree: Path, patch: Path, before: str, rev: str = "") -> str:
-    """Record the resolution of `patch` (staged, or committed at `rev`) as
-    its diff from `before`."""
-    key = port_key(tree, patch, before)
-    dest = gitdir(tree) / TREE_PORTS / key
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    against = [rev] if rev else ["--cached"]
-    changed = git(tree, "diff", "--name-only", before, *against).split()
-    paths = sorted(set(patch_paths(patch)) | set(changed))
-    diff = subprocess.run(
-        ["git", "-C", str(tree), "diff", "--binary", before, *against, "--", *paths],
-        capture_output=True,
-        check=True,
-    ).stdout
-    (dest / PORT_DIFF).write_bytes(diff)
-    meta = {"patch": patch.name, "paths": paths}
-    (dest / PORT_META).write_text(json.dumps(meta, indent=1) + "\n")
-    return key
-
-
-def apply_port(tree: Path, patch: Path, before: str) -> str:
-    """Stage the recorded port of `patch` on `before`, if there is one;
-    return its key ("" if none)."""
-    key = port_key(tree, patch, before)
-    src = gitdir(tree) / TREE_PORTS / key
-    if not (src / PORT_META).exists():
-        return ""
-    # The port is a diff from `before`: put its files back to that first.
-    for path in json.loads((src / PORT_META).read_text())["paths"]:
-        if git_ok(tree, "cat-file", "-e", f"{before}:{path}"):
-            git(tree, "checkout", before, "--", path)
-        else:
-            git(tree, "rm", "-q", "-f", "--ignore-unmatch", "--", path)
-    if (src / PORT_DIFF).stat().st_size:
-        proc = run(
-            ["git", "-C", tree, "apply", "--index", str(src / PORT_DIFF)], check=False
-        )
-        if proc.returncode != 0:
-            raise ForkError(
-                f"the recorded port {src} of {patch.name} does not apply: "
-                f"{proc.stderr.strip()}\nDelete it and rebase again to resolve "
-                "the conflict by hand."
-            )
-    return key
-
-
-def stale_port(tree: Path, patch: Path, before: str) -> Path | None:
-    """A port recorded for another version of `patch` (same name, other key):
-    the patch changed since it was ported by hand, and rerere alone would
-    replay the hunks but drop the edits that port made around them."""
-    ports = gitdir(tree) / TREE_PORTS
-    if not ports.is_dir():
-        return None
-    key = port_key(tree, patch, before)
-    for entry in sorted(ports.iterdir()):
-        meta = entry / PORT_META
-        if (
-            entry.name != key
-            and meta.exists()
-            and json.loads(meta.read_text())["patch"] == patch.name
-        ):
-            return entry
-    return None
-
-
-def save_ports(tree: Path, keys: list[str], dest: Path) -> list[str]:
-    """Copy the tree's ports of `keys` to dest/<key>/."""
-    saved = []
-    for key in sorted(set(keys)):
-        src = gitdir(tree) / TREE_PORTS / key
-        if (src / PORT_META).exists():
-            shutil.copytree(src, dest / key)
-            saved.append(key)
-    return saved
-
-
 # --- one patch ----------------------------------------------------------------
 
 
 def unmerged_files(tree: Path) -> list[str]:
     return sorted(set(git(tree, "diff", "--name-only", "--diff-filter=U").split()))
-
-
-def patch_paths(patch: Path) -> list[str]:
-    return sorted(
-        {
-            line.split(" b/", 1)[1]
-            for line in patch.read_text().splitlines()
-            if line.startswith("diff --git ")
-        }
-    )
 
 
 def am_in_progress(tree: Path) -> bool:
@@ -410,18 +241,18 @@ def commit_resolution(
     and staged (its port recorded as `port`): record the hunks' resolutions,
     then commit, or skip the patch when the resolution keeps the new
     release's code unchanged."""
-    ids = conflict_ids(tree)
+    conflicts = merge_rr(tree)
     run(["git", "-C", tree, "rerere"], check=False)  # records the postimages
     if git_ok(tree, "diff", "--cached", "--quiet", before):
         am(tree, "--skip")
         return Outcome(
             UPSTREAM,
             f"resolved to {version}'s code ({how}): nothing left to change",
-            conflict_ids=ids,
+            conflicts=conflicts,
             port=port,
         )
     am(tree, "--continue")
-    return Outcome(MERGED, how, conflict_ids=ids, port=port)
+    return Outcome(MERGED, how, conflicts=conflicts, port=port)
 
 
 def reproducers_pass(ids: list[str], verdicts: dict[str, list[str]]) -> bool:
@@ -457,7 +288,7 @@ def replay_one(
         return Outcome(MERGED, "three-way merge")
     if am_in_progress(tree) and (port := apply_port(tree, patch, before)):
         return commit_resolution(tree, before, "recorded resolution", version, port)
-    ids_now = conflict_ids(tree)
+    conflicts = merge_rr(tree)
     files = unmerged_files(tree)
     # rerere replayed recorded resolutions for every conflict and staged them
     # (it then drops them from MERGE_RR, so its message is what tells).
@@ -466,7 +297,7 @@ def replay_one(
         and not files
         and "using previous resolution" in proc.stderr
     ):
-        if stale := stale_port(tree, patch, before):
+        if stale := stale_port(tree, patch, before, Base(version).tree_ref):
             # (A patch that now merges without conflicts cannot be caught
             # here: its earlier port is not consulted.)
             return Outcome(
@@ -475,15 +306,15 @@ def replay_one(
                 f"changed since it was ported by hand ({stale / PORT_DIFF}): "
                 "make the staged files carry that port's other edits too",
                 files=patch_paths(patch),
-                conflict_ids=ids_now,
+                conflicts=conflicts,
             )
         return commit_resolution(tree, before, "recorded resolution", version, "")
-    reason = "" if ids_now else (proc.stderr.strip().splitlines() or [""])[-1]
+    reason = "" if conflicts else (proc.stderr.strip().splitlines() or [""])[-1]
     return Outcome(
         CONFLICT,
         f"conflicts in {len(files)} file(s)" if files else f"does not apply: {reason}",
         files=files or patch_paths(patch),
-        conflict_ids=ids_now,
+        conflicts=conflicts,
     )
 
 
@@ -634,9 +465,9 @@ def start(
     snapshot.mkdir()
     for p in patches:
         shutil.copyfile(p.path, snapshot / p.name)
-    seeded = seed_resolutions(
-        tree, [series.dir / RESOLUTIONS, into / RESOLUTIONS], started - 60
-    )
+    store = store_for(into)
+    conflict_paths = seed_conflicts(tree, store, started - 60, new_repo)
+    seeded = len(conflict_paths) + seed_ports(tree, store)
     try:
         build_old_series(tree, series)
     except ForkError:
@@ -657,6 +488,7 @@ def start(
         verdicts=verdicts,
         patches=[Entry(p.name, p.subject(), p.reproducers()) for p in patches],
         started=started,
+        conflict_paths=conflict_paths,
     )
     state.save()
     step(
@@ -681,7 +513,7 @@ def advance(state: State, first: int) -> State:
             state.verdicts,
             new.version,
         )
-        record(entry, outcome, state.verdicts)
+        record(state, entry, outcome)
         drop_fixed_reproducers(state, entry)
         say(f"    [{i + 1}/{total}] {entry.name}: {entry.state} ({entry.detail})")
         if outcome.state == CONFLICT:
@@ -693,13 +525,15 @@ def advance(state: State, first: int) -> State:
     return finish(state)
 
 
-def record(entry: Entry, outcome: Outcome, verdicts: dict) -> None:
+def record(state: State, entry: Entry, outcome: Outcome) -> None:
+    verdicts = state.verdicts
     entry.state = outcome.state
     entry.detail = outcome.detail
     if outcome.state != UPSTREAM or "reproducer" not in outcome.detail:
         entry.detail += verdict_note(entry.reproducers, verdicts)
     entry.files = outcome.files
-    entry.conflict_ids = sorted(set(entry.conflict_ids) | set(outcome.conflict_ids))
+    entry.conflict_ids = sorted(set(entry.conflict_ids) | set(outcome.conflicts))
+    state.conflict_paths.update(outcome.conflicts)
     entry.port = outcome.port
 
 
@@ -813,14 +647,18 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
                 + f"\nRemove them, `git -C {t} add` the files, then "
                 + make_hint("rebase-continue", tree)
             )
-        port = save_port(tree, state.patch_file(entry), state.stopped_head)
+        port = record_port(
+            tree, state.patch_file(entry), state.stopped_head, new.tree_ref
+        )
         outcome = commit_resolution(
             tree, state.stopped_head, "resolved by hand", new.version, port
         )
     elif head(tree) != state.stopped_head:
         # The user finished the `git am` themselves.
         run(["git", "-C", tree, "rerere"], check=False)
-        port = save_port(tree, state.patch_file(entry), state.stopped_head, "HEAD")
+        port = record_port(
+            tree, state.patch_file(entry), state.stopped_head, new.tree_ref, "HEAD"
+        )
         outcome = Outcome(MERGED, "resolved by hand", port=port)
     else:
         say(
@@ -831,7 +669,7 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
         state.stopped_at = -1
         state.save()
         return advance(state, state.patches.index(entry))
-    record(entry, outcome, state.verdicts)
+    record(state, entry, outcome)
     drop_fixed_reproducers(state, entry)
     say(
         f"    [{state.stopped_at + 1}/{len(state.patches)}] {entry.name}: {entry.state}"
@@ -840,6 +678,32 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
     state.stopped_at = -1
     state.save()
     return advance(state, first)
+
+
+def save_resolutions(state: State) -> list[str]:
+    """Keep in the store what this rebase recorded or replayed: each
+    conflict's resolution and each port. Returns the store's entries."""
+    tree, store = state.tree_path, state.store
+    cache_repo = upstream_repo(Path(state.cache))
+    saved = [
+        save_conflict(
+            tree,
+            store,
+            conflict_id,
+            n,
+            state.conflict_paths.get(conflict_id, ""),
+            state.new.tree_ref,
+            cache_repo,
+        )
+        for conflict_id, n in used_conflicts(tree, state.started)
+    ]
+    saved += [save_port(tree, e.port, store) for e in state.patches if e.port]
+    return sorted(set(saved))
+
+
+def series_dirs(root: Path) -> list[Path]:
+    """The series under `root` (root itself and its v<release>/ dirs)."""
+    return [d for d in [root, *sorted(root.iterdir())] if (d / BASE_FILE).is_file()]
 
 
 def finish(state: State) -> State:
@@ -866,14 +730,7 @@ def finish(state: State) -> State:
             kept, format_patches(tree, commits, staging), strict=True
         ):
             entry.new_name = path.name
-        saved = save_resolutions(
-            tree, used_resolutions(tree, state.started), staging / RESOLUTIONS
-        )
-        saved += save_ports(
-            tree,
-            [e.port for e in state.patches if e.port],
-            staging / RESOLUTIONS / PORTS,
-        )
+        saved = save_resolutions(state)
         (staging / REPORT).write_text(report(state, saved))
         result = head(tree)
         # Rebuild as `make apply` does from what will be in INTO: proves the
@@ -890,6 +747,7 @@ def finish(state: State) -> State:
                 f"{rel(into)}/."
             ) from e
         write_series(staging, into)
+    prune(state.store, series_dirs(state.store.parent))
     cleanup(tree)
     minutes = (time.time() - state.started) / 60
     say("")
@@ -915,7 +773,6 @@ def write_series(staging: Path, into: Path) -> None:
     into.mkdir(parents=True, exist_ok=True)
     for old in Series(into).patches():
         old.path.unlink()
-    shutil.rmtree(into / RESOLUTIONS, ignore_errors=True)
     for f in sorted(staging.iterdir()):
         if f.is_dir():
             shutil.copytree(f, into / f.name)
@@ -1030,7 +887,7 @@ def report(state: State, saved: list[str]) -> str:
         # that rebasing again with nothing new rewrites the same report.
         detail = re.sub(
             r"^(resolved by hand|recorded resolution)",
-            f"conflict resolved (kept in {RESOLUTIONS}/)",
+            "conflict resolved (recorded)",
             e.detail,
         )
         lines.append(
@@ -1046,11 +903,7 @@ def report(state: State, saved: list[str]) -> str:
         note = f" ({shown.replace('|', '/')})" if shown else ""
         lines.append(f"| {test_id} | {verdict}{note} |")
     if saved:
-        lines += [
-            "",
-            f"Conflict resolutions replayed by the next rebase ({RESOLUTIONS}/: "
-            f"git rerere's hunks, and ports in {PORTS}/): " + ", ".join(saved),
-        ]
+        lines += ["", USED_LINE + ", ".join(saved)]
     return "\n".join(lines) + "\n"
 
 
@@ -1072,8 +925,7 @@ def main() -> int:
     p.add_argument(
         "--series",
         type=Path,
-        default=DEFAULT_SERIES,
-        help="series to move (default: patches/)",
+        help="series to move (default: the nearest one, see above)",
     )
     p.add_argument(
         "--into",
@@ -1100,7 +952,6 @@ def main() -> int:
                 f"{make_hint('rebase-continue', tree)}, or "
                 f"{make_hint('rebase-abort', tree)}"
             )
-        series = Series(args.series.resolve(), overlay=OVERLAY)
         release = VERSION_RE.fullmatch(args.base)
         pinned = None
         if release and not args.git_url:
@@ -1110,10 +961,36 @@ def main() -> int:
                 pinned = read_base(into / BASE_FILE)
                 if pinned.version != release.group(1):
                     pinned = None
-        new = pinned or parse_base(args.base, args.version, args.git_url, series.base())
+        default = Series(DEFAULT_SERIES, overlay=OVERLAY)
+        new = pinned or parse_base(
+            args.base, args.version, args.git_url, default.base()
+        )
+        if args.series:
+            series = Series(args.series.resolve(), overlay=OVERLAY)
+        else:
+            series = nearest_series(new.version)
+            step(
+                f"moving the nearest series, {rel(series.dir)}/ "
+                f"(vLLM {series.base().version}), onto {new.version}"
+            )
         into = (args.into or DEFAULT_SERIES / f"v{new.version}").resolve()
         start(series, new, into, tree)
     return 0
+
+
+def nearest_series(version: str) -> Series:
+    """The series to move onto `version`: the nearest one on the way from
+    the default series, so that every release's series descends from
+    patches/ through its neighbours (the newest series below a newer
+    release, the oldest above an older one)."""
+    default = Series(DEFAULT_SERIES, overlay=OVERLAY)
+    home, target = version_key(default.base().version), version_key(version)
+    keyed = [(version_key(s.base().version), s) for s in find_series()]
+    if target > home:
+        below = [(k, s) for k, s in keyed if home <= k < target]
+        return max(below, key=lambda ks: ks[0])[1] if below else default
+    above = [(k, s) for k, s in keyed if target < k <= home]
+    return min(above, key=lambda ks: ks[0])[1] if above else default
 
 
 def state_exists(tree: Path) -> bool:

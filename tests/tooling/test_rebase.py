@@ -109,12 +109,24 @@ def test_every_patch_is_classified_and_the_conflict_resumes(five, project, capsy
         "0003-Conflict-change-line-20.patch",
     ]
     assert 'version = "9.9.10"' in (into / "base.toml").read_text()
-    ids = [p.name for p in (into / "resolutions").iterdir() if p.name != "ports"]
-    assert len(ids) == 1
-    assert (into / "resolutions" / ids[0] / "postimage").is_file()
-    ports = list((into / "resolutions" / "ports").iterdir())
-    assert len(ports) == 1 and (ports[0] / "port.json").is_file()
+    # The resolution is kept in the store beside INTO, as diffs: rerere's
+    # conflict and the whole port.
+    store = into.parent / "resolutions"
+    assert not (into / "resolutions").exists()
+    (conflict,) = (store / "rerere").iterdir()
+    assert sorted(p.name for p in conflict.iterdir()) == [
+        "postimage.diff",
+        "preimage.diff",
+        "resolution.json",
+    ]
+    assert "-<<<<<<<\n-line XX\n" in (conflict / "postimage.diff").read_text()
+    meta = json.loads((conflict / "resolution.json").read_text())
+    assert meta["path"] == "vllm/v1/core/block_pool.py" and meta["blob"]
+    (port,) = (store / "ports").iterdir()
+    assert (port / "port.json").is_file()
     report = (into / "REBASE.md").read_text()
+    used = f"ports/{port.name}, rerere/{conflict.name}"
+    assert f"Recorded resolutions used (patches/resolutions/): {used}" in report
     assert "| 0003-Fix-popleft_n-raises-ValueError.patch | upstream |" in report
     assert f"| {REPRODUCER} | passes |" in report
     # The tree is what `make apply` builds from the new series.
