@@ -411,3 +411,32 @@ def test_a_kept_patch_drops_reproducers_that_skip_on_the_new_release(upstream, p
     assert state.patches[0].state == "clean"
     kept = Series(upstream.tree.parent / "into").patches()
     assert [p.reproducers() for p in kept] == [[still]]
+
+
+def test_the_nearest_series_on_the_way_from_the_default_one(tmp_path, monkeypatch):
+    import series as series_module
+
+    def make(d: Path, version: str) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        base = f'version = "{version}"\nsdist_url = "u"\nsdist_sha256 = "{"0" * 64}"\n'
+        (d / "base.toml").write_text(base)
+
+    root = tmp_path / "patches"
+    make(root, "0.20.2")
+    for v in ("0.19.1", "0.20.1", "0.21.0", "0.22.0", "0.33.0"):
+        make(root / f"v{v}", v)
+    monkeypatch.setattr(rebase, "DEFAULT_SERIES", root)
+    monkeypatch.setattr(series_module, "DEFAULT_SERIES", root)
+
+    def nearest(version: str) -> str:
+        return rebase.nearest_series(version).base().version
+
+    # Newer releases follow the newest series below them, older ones the
+    # oldest above them: every series descends from patches/.
+    assert nearest("0.22.1") == "0.22.0"
+    assert nearest("0.34.0") == "0.33.0"
+    assert nearest("0.22.0") == "0.21.0"  # its own series is not its source
+    assert nearest("0.20.0") == "0.20.1"
+    assert nearest("0.19.0") == "0.19.1"
+    assert nearest("0.20.1") == "0.20.2"
+    assert nearest("0.21.0") == "0.20.2"
