@@ -175,7 +175,9 @@ def test_a_group_of_larger_blocks_reads_hashes_at_its_own_size():
     assert list(e.offload._request_block_hashes(req, bs)) == req.block_hashes
     larger = e.offload._request_block_hashes(req, 2 * bs)
     assert len(larger) == len(req.block_hashes) // 2
-    assert larger[0] not in req.block_hashes
+    # The first larger block spans two of the request's: its hash is not the
+    # first one's (from 0.24 it is the second's, which names the same prefix).
+    assert larger[0] != req.block_hashes[0]
 
 
 def switch_off_position_check(monkeypatch) -> None:
