@@ -16,7 +16,7 @@ ARGS ?=
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z0-9-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo "  Variables: SERIES=$(SERIES) TREE=$(TREE) PYTHON=$(PYTHON)"
-	@echo "  make rebase: BASE=<release or git ref> [INTO=patches/v<release>] [VERSION= GIT_URL=]"
+	@echo "  make rebase: BASE=<release or git ref> [INTO=patches/v<release>] [VERSION= GIT_URL= EDIT=<patch number>]"
 
 fetch: ## download and verify the pinned upstream base, import it into .cache/
 	$(PYTHON) scripts/fetch.py --series $(SERIES)
@@ -59,7 +59,7 @@ rebase: ## move the series onto another release: make rebase BASE=0.33.0
 	$(PYTHON) scripts/rebase.py --base $(BASE) --tree $(TREE) \
 		$(if $(filter command line environment,$(origin SERIES)),--series $(SERIES)) \
 		$(if $(INTO),--into $(INTO)) $(if $(VERSION),--version $(VERSION)) \
-		$(if $(GIT_URL),--git-url $(GIT_URL))
+		$(if $(GIT_URL),--git-url $(GIT_URL)) $(foreach e,$(EDIT),--edit $(e))
 
 rebase-continue: ## go on with the rebase after resolving a conflict
 	$(PYTHON) scripts/rebase.py --continue --tree $(TREE)

@@ -57,6 +57,7 @@ from resolutions import (
     USED_LINE,
     apply_port,
     gitdir,
+    has_port,
     merge_rr,
     patch_paths,
     prune,
@@ -166,6 +167,9 @@ class State:
     # rerere's conflict ids and the files they are in: what the store keeps
     # of each resolution (see resolutions.py).
     conflict_paths: dict[str, str] = field(default_factory=dict)
+    # Patches (by number or name) to stop after, to adapt them to the new
+    # release although they apply: EDIT= (see `advance`).
+    edit: list[str] = field(default_factory=list)
 
     @property
     def store(self) -> Path:
@@ -259,6 +263,27 @@ def reproducers_pass(ids: list[str], verdicts: dict[str, list[str]]) -> bool:
     return bool(ids) and all(verdicts.get(t, [""])[0] == "passes" for t in ids)
 
 
+def adapted(tree: Path, patch: Path, before: str) -> Outcome | None:
+    """A patch that applied, whose recorded port (an adaptation made with
+    EDIT=, see `advance`) replaces what it applied: the commit is amended to
+    the port. None if no port is recorded for it on these files."""
+    if not has_port(tree, patch, before):
+        return None
+    committed = head(tree)
+    git(tree, "reset", "-q", "--soft", before)
+    port = apply_port(tree, patch, before)
+    # The patch's message and author, on the port's files.
+    run(
+        ["git", "-C", tree, "commit", "-q", "--no-verify", "-C", committed],
+        env={
+            k: v
+            for k, v in tool_identity_env().items()
+            if k.startswith("GIT_COMMITTER")
+        },
+    )
+    return Outcome(MERGED, "recorded adaptation", port=port)
+
+
 def replay_one(
     tree: Path, patch: Path, ids: list[str], verdicts: dict, version: str
 ) -> Outcome:
@@ -269,23 +294,23 @@ def replay_one(
         return Outcome(
             UPSTREAM, f"fixed in {version}: its {len(ids)} reproducer(s) pass there"
         )
+    before = head(tree)
     if git_ok(tree, "apply", "--check", str(patch)):
         proc = git_am(tree, [patch], three_way=False)
         if proc.returncode != 0:
             raise ForkError(f"git am of {patch.name} failed:\n{proc.stderr}")
-        return Outcome(CLEAN, "applies as it is")
+        return adapted(tree, patch, before) or Outcome(CLEAN, "applies as it is")
     if git_ok(tree, "apply", "--check", "--reverse", str(patch)):
         return Outcome(
             UPSTREAM, f"its change is already in {version} (reverse-applies)"
         )
-    before = head(tree)
     proc = git_am(tree, [patch])
     if proc.returncode == 0:
         if head(tree) == before:
             return Outcome(
                 UPSTREAM, f"its change is already in {version} (empty after merge)"
             )
-        return Outcome(MERGED, "three-way merge")
+        return adapted(tree, patch, before) or Outcome(MERGED, "three-way merge")
     if am_in_progress(tree) and (port := apply_port(tree, patch, before)):
         return commit_resolution(tree, before, "recorded resolution", version, port)
     conflicts = merge_rr(tree)
@@ -432,8 +457,10 @@ def start(
     repro_root: Path = ROOT,
     base_tree: Path | None = None,
     logs: Path = LOGS,
+    edit: list[str] | None = None,
 ) -> State:
-    """Start moving `series` onto `new`; runs until done or a conflict."""
+    """Start moving `series` onto `new`; runs until done, a conflict, or a
+    patch named in `edit`."""
     old = series.base()
     patches = series.patches()
     init_tree(tree)
@@ -489,6 +516,7 @@ def start(
         patches=[Entry(p.name, p.subject(), p.reproducers()) for p in patches],
         started=started,
         conflict_paths=conflict_paths,
+        edit=list(edit or []),
     )
     state.save()
     step(
@@ -521,6 +549,15 @@ def advance(state: State, first: int) -> State:
             state.stopped_head = head(tree)
             state.save()
             raise conflict_stop(state, entry)
+        if outcome.state in (CLEAN, MERGED) and to_edit(entry.name, state.edit):
+            # Applied, but the new release needs it changed (code it relies
+            # on moved or grew a case): stop with it committed. The amended
+            # commit is taken in as a hand resolution, a port, so that the
+            # next rebase replays it (see `adapted`).
+            state.stopped_at = i
+            state.stopped_head = git(tree, "rev-parse", "HEAD~1")
+            state.save()
+            raise edit_stop(state, entry)
         state.save()
     return finish(state)
 
@@ -582,6 +619,23 @@ def drop_fixed_reproducers(state: State, entry: Entry) -> None:
     entry.detail += (
         f"; {len(fixed)} of its reproducers pass or skip on {state.new.version}: "
         "dropped from its trailers"
+    )
+
+
+def to_edit(name: str, edit: list[str]) -> bool:
+    """Whether EDIT= names this patch (its number, as in 0005, or its name)."""
+    return any(name == e or name.startswith(e.zfill(4) + "-") for e in edit)
+
+
+def edit_stop(state: State, entry: Entry) -> ForkError:
+    t = rel(state.tree_path)
+    return ForkError(
+        f"stopped after {entry.name}, as EDIT= asked: it is committed on "
+        f"{state.new.branch} in {t}/. Adapt it to vLLM {state.new.version}:\n"
+        f"  1. edit the files, then git -C {t} commit -a --amend --no-edit\n"
+        f"  2. {make_hint('rebase-continue', state.tree_path)}\n"
+        "     (records the adapted patch, so that the next rebase replays it)\n"
+        f"Or give up with: {make_hint('rebase-abort', state.tree_path)}"
     )
 
 
@@ -654,12 +708,14 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
             tree, state.stopped_head, "resolved by hand", new.version, port
         )
     elif head(tree) != state.stopped_head:
-        # The user finished the `git am` themselves.
+        # The user finished the `git am` themselves, or amended a patch that
+        # EDIT= stopped after.
         run(["git", "-C", tree, "rerere"], check=False)
         port = record_port(
             tree, state.patch_file(entry), state.stopped_head, new.tree_ref, "HEAD"
         )
-        outcome = Outcome(MERGED, "resolved by hand", port=port)
+        how = "resolved by hand" if entry.state == CONFLICT else "adapted by hand"
+        outcome = Outcome(MERGED, how, port=port)
     else:
         say(
             f"warning: the `git am` of {entry.name} was aborted or skipped by hand; "
@@ -888,7 +944,11 @@ def report(state: State, saved: list[str]) -> str:
         detail = re.sub(
             r"^(resolved by hand|recorded resolution)",
             "conflict resolved (recorded)",
-            e.detail,
+            re.sub(
+                r"^(adapted by hand|recorded adaptation)",
+                "adapted (recorded)",
+                e.detail,
+            ),
         )
         lines.append(
             f"| {e.name} | {e.state} | {detail.replace('|', '/')} | "
@@ -921,6 +981,14 @@ def main() -> int:
         "--abort", action="store_true", help="undo the rebase in progress"
     )
     p.add_argument("--version", help="the version a git ref stands for")
+    p.add_argument(
+        "--edit",
+        action="append",
+        default=[],
+        metavar="PATCH",
+        help="stop after this patch (number or name) even if it applies, to "
+        "adapt it to the new release; repeatable (make rebase EDIT=0005)",
+    )
     p.add_argument("--git-url", help="repository of a git ref (default: the series')")
     p.add_argument(
         "--series",
@@ -974,7 +1042,7 @@ def main() -> int:
                 f"(vLLM {series.base().version}), onto {new.version}"
             )
         into = (args.into or DEFAULT_SERIES / f"v{new.version}").resolve()
-        start(series, new, into, tree)
+        start(series, new, into, tree, edit=args.edit)
     return 0
 
 

@@ -316,6 +316,12 @@ def record_port(
     return key
 
 
+def has_port(tree: Path, patch: Path, before: str) -> bool:
+    """Whether a port of `patch` is recorded for the files at `before`."""
+    key = port_key(tree, patch, before)
+    return (gitdir(tree) / TREE_PORTS / key / PORT_META).exists()
+
+
 def apply_port(tree: Path, patch: Path, before: str) -> str:
     """Stage the recorded port of `patch` on `before`, if there is one;
     return its key ("" if none)."""

@@ -440,3 +440,47 @@ def test_the_nearest_series_on_the_way_from_the_default_one(tmp_path, monkeypatc
     assert nearest("0.19.0") == "0.19.1"
     assert nearest("0.20.1") == "0.20.2"
     assert nearest("0.21.0") == "0.20.2"
+
+
+def test_a_patch_that_applies_is_adapted_with_edit_and_replayed(
+    five, project, tmp_path
+):
+    # The new release needs patch 1 changed although it applies (say, code
+    # it relies on grew a case): EDIT= stops after it; the amended commit is
+    # recorded and replayed by the next rebase, with no stop.
+    tmp = five.tree.parent
+
+    def go(tree: Path, edit: list[str]):
+        return rebase.start(
+            five.series,
+            five.release("9.9.10", NEW_RELEASE),
+            tmp / "into",
+            tree,
+            five.cache,
+            python=Path(sys.executable),
+            repro_root=project,
+            base_tree=tmp / "base-9.9.10",
+            logs=tmp / "logs",
+            edit=edit,
+        )
+
+    with pytest.raises(ForkError, match="stopped after 0001-Clean-change-line-35"):
+        go(five.tree, ["1"])
+    path = five.tree / "vllm/v1/core/block_pool.py"
+    path.write_text(path.read_text() + "adapted to 9.9.10\n")
+    git(five.tree, "commit", "-q", "-a", "--amend", "--no-edit")
+    with pytest.raises(ForkError, match="0005-Conflict"):
+        rebase.resume(five.tree)
+    assert rebase.State.load(five.tree).patches[0].detail == "adapted by hand"
+    resolve_by_hand(five.tree)
+    rebase.resume(five.tree)
+    first = snapshot(tmp / "into")
+    assert "+adapted to 9.9.10" in first["0001-Clean-change-line-35.patch"].decode()
+    assert "| adapted (recorded) |" in first["REBASE.md"].decode()
+
+    state = go(tmp_path / "elsewhere", [])
+    assert [(e.state, e.detail) for e in state.patches][0] == (
+        "merged",
+        "recorded adaptation",
+    )
+    assert snapshot(tmp / "into") == first
