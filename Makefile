@@ -7,9 +7,13 @@ SERIES ?= patches
 TREE ?= vllm
 # Extra arguments for a script, e.g. make export ARGS="--onto main"
 ARGS ?=
+# make apply/install/wheel/overlay VERSION=0.28.0: that release's series
+# (patches/v0.28.0/, or patches/ for its own release) instead of SERIES.
+# (make rebase reads VERSION as the version a git ref stands for.)
+PICK = $(if $(VERSION),--version $(VERSION),--series $(SERIES))
 
 .DEFAULT_GOAL := help
-.PHONY: help fetch apply refresh install venv test test-slow bench rebase \
+.PHONY: help fetch apply refresh install venv test test-releases test-slow bench rebase \
 	rebase-continue rebase-abort matrix wheel overlay image export import soak differential \
 	mutate e2e clean
 
@@ -19,15 +23,15 @@ help: ## list the targets
 	@echo "  make rebase: BASE=<release or git ref> [INTO=patches/v<release>] [VERSION= GIT_URL= EDIT=<patch number>]"
 
 fetch: ## download and verify the pinned upstream base, import it into .cache/
-	$(PYTHON) scripts/fetch.py --series $(SERIES)
+	$(PYTHON) scripts/fetch.py $(PICK)
 
-apply: venv ## build vllm/: upstream base + patches + overlay (idempotent)
-	$(PYTHON) scripts/apply.py --series $(SERIES) --tree $(TREE)
+apply: venv ## build vllm/: upstream base + patches + overlay (idempotent; VERSION=<release>)
+	$(PYTHON) scripts/apply.py $(PICK) --tree $(TREE)
 
 refresh: ## write patches/ back from the commits in vllm/
 	$(PYTHON) scripts/refresh.py --series $(SERIES) --tree $(TREE)
 
-install: apply ## pip install -e vllm into .venv with this machine's variables
+install: apply ## pip install -e vllm into .venv with this machine's variables (VERSION=<release>)
 	$(PYTHON) scripts/install.py --tree $(TREE)
 
 venv: ## create .venv with torch and vLLM's build requirements
@@ -36,14 +40,17 @@ venv: ## create .venv with torch and vLLM's build requirements
 test: ## tooling tests, upstream tests on base and series, reproducers, lint
 	$(PYTHON) scripts/run_tests.py
 
+test-releases: ## every release's series: reproducers and upstream tests, base against series (RELEASES=0.19.0,0.28.0)
+	$(PYTHON) scripts/test_releases.py $(if $(RELEASES),--releases $(RELEASES))
+
 test-slow: ## slow tests: the real 0.20.2 -> 0.33.0 rebase; upstream's wheel repacked; make image
 	$(PYTHON) scripts/run_tests.py --slow
 
 wheel: ## patched wheel from upstream's released one, into dist/
-	$(PYTHON) scripts/repack.py --series $(SERIES) $(ARGS)
+	$(PYTHON) scripts/repack.py $(PICK) $(ARGS)
 
 overlay: ## container build context over upstream's image, into dist/
-	$(PYTHON) scripts/container.py --series $(SERIES) $(ARGS)
+	$(PYTHON) scripts/container.py $(PICK) $(ARGS)
 
 image: venv ## build make overlay's context with podman on a local stand-in for upstream's image; reproducers run inside
 	$(PYTHON) scripts/image.py --series $(SERIES) $(ARGS)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 from common import (
     CACHE,
-    DEFAULT_SERIES,
     DEFAULT_TREE,
     TOOL_EMAIL,
     ForkError,
@@ -35,7 +34,7 @@ from common import (
     tool_identity_env,
 )
 from fetch import ensure_base
-from series import Base, Series
+from series import Base, Series, add_series_arguments, series_from_arguments
 
 MANAGED_KEY = "vllm-fork.managed"
 # `make rebase` keeps its state here, in the tree's git directory.
@@ -374,12 +373,7 @@ def checkout_base(series: Series, tree: Path, cache: Path = CACHE) -> None:
 
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument(
-        "--series",
-        type=Path,
-        default=DEFAULT_SERIES,
-        help="series directory (default: patches/)",
-    )
+    add_series_arguments(p)
     p.add_argument(
         "--tree",
         type=Path,
@@ -392,7 +386,7 @@ def main() -> int:
         help="where the upstream base comes from (default: what base.toml pins)",
     )
     args = p.parse_args()
-    apply_series(Series(args.series.resolve()), args.tree.resolve(), source=args.source)
+    apply_series(series_from_arguments(args), args.tree.resolve(), source=args.source)
     return 0
 
 

@@ -44,7 +44,6 @@ from changes import (
     ship_tree,
 )
 from common import (
-    DEFAULT_SERIES,
     DIST,
     ROOT,
     ForkError,
@@ -56,7 +55,7 @@ from common import (
     step,
 )
 from repack import local_label
-from series import Series
+from series import Series, add_series_arguments, series_from_arguments
 
 UPSTREAM_IMAGE = "vllm/vllm-openai"
 # The build argument naming the image to build on; its default is upstream's.
@@ -264,12 +263,7 @@ def check_context(context: Path, version: str) -> list[str]:
 
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument(
-        "--series",
-        type=Path,
-        default=DEFAULT_SERIES,
-        help="series directory (default: patches/)",
-    )
+    add_series_arguments(p)
     p.add_argument(
         "--tree",
         type=Path,
@@ -282,7 +276,7 @@ def main() -> int:
         help="context directory to (re)write (default: dist/container-v<version>)",
     )
     args = p.parse_args()
-    series = Series(args.series.resolve())
+    series = series_from_arguments(args)
     version = series.base().version
     tree = ship_tree(series, args.tree.resolve() if args.tree else None)
     out = (args.out or DIST / f"container-v{version}").resolve()

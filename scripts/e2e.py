@@ -44,7 +44,7 @@ from e2e_judge import Row, Scenario, judge, named_reproducers, verdict
 from e2e_server import Server, read_json_lines
 
 from common import ROOT, WORK, ForkError, main_guard, parser, rel, run, say, step
-from series import Series, find_series
+from series import Series, default_and_newest, find_series
 
 OUT = WORK / "e2e"
 LOAD_CLIENT = ROOT / "scripts" / "e2e_load.py"
@@ -315,7 +315,8 @@ def default_targets(short: bool, releases: list[str] | None) -> Iterator[Target]
     from run_tests import prepare
     from venv import series_venv
 
-    all_series = find_series()
+    # Every release named, else the default one and the newest.
+    all_series = find_series() if releases else default_and_newest(find_series())[0]
     for i, s in enumerate(all_series):
         if releases and s.base().version not in releases:
             continue

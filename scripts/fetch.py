@@ -22,7 +22,6 @@ from pathlib import Path
 
 from common import (
     CACHE,
-    DEFAULT_SERIES,
     ForkError,
     git,
     git_ok,
@@ -34,7 +33,7 @@ from common import (
     step,
     tool_identity_env,
 )
-from series import Base, Series
+from series import Base, add_series_arguments, series_from_arguments
 
 PYPI_SIMPLE = "https://pypi.org/simple/vllm/"
 # Build outputs that sdists carry; the tree regenerates them on install.
@@ -237,12 +236,7 @@ def resolve_release(version: str) -> Base:
 
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument(
-        "--series",
-        type=Path,
-        default=DEFAULT_SERIES,
-        help="series directory holding base.toml (default: patches/)",
-    )
+    add_series_arguments(p)
     p.add_argument(
         "--source",
         choices=("sdist", "git"),
@@ -258,7 +252,7 @@ def main() -> int:
     if args.print_base:
         sys.stdout.write(resolve_release(args.print_base).to_toml())
         return 0
-    series = Series(args.series)
+    series = series_from_arguments(args)
     base = series.base()
     repo = ensure_base(base, series.base_file, source=args.source)
     say(

@@ -58,7 +58,7 @@ from mutate_operators import (
     is_mutation_subject,
     run_operator_mutants,
 )
-from series import Series, find_series
+from series import Series, default_and_newest, find_series
 from testenv import tree_env
 from venv import series_venv
 
@@ -374,7 +374,8 @@ def main() -> int:
         "--series",
         type=Path,
         action="append",
-        help="series to mutate (repeatable; default: patches/ and patches/v*/)",
+        help="series to mutate (repeatable; default: patches/ and the newest "
+        "release's)",
     )
     p.add_argument("--jobs", type=int, default=2, help="mutants at once (default 2)")
     p.add_argument(
@@ -393,7 +394,10 @@ def main() -> int:
         "run of the same series (after adding tests)",
     )
     args = p.parse_args()
+    # The default series and the newest release's, unless --series says.
     series_list = find_series(args.series)
+    if not args.series:
+        series_list = default_and_newest(series_list)[0]
     kinds = set(args.kinds.split(","))
     if not kinds or not kinds <= {"hunks", "operators"}:
         raise ForkError(f"--kinds: hunks and/or operators, not {args.kinds!r}")

@@ -34,9 +34,9 @@ from changes import (
     patched_content,
     ship_tree,
 )
-from common import DEFAULT_SERIES, DIST, ForkError, main_guard, parser, rel, say, step
+from common import DIST, ForkError, main_guard, parser, rel, say, step
 from install import upstream_wheel
-from series import Series
+from series import Series, add_series_arguments, series_from_arguments
 
 LOCAL_LABEL_RE = re.compile(r"[a-z0-9]+(\.[a-z0-9]+)*")
 CHUNK = 1 << 20
@@ -360,12 +360,7 @@ def build_wheel(
 
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument(
-        "--series",
-        type=Path,
-        default=DEFAULT_SERIES,
-        help="series directory (default: patches/)",
-    )
+    add_series_arguments(p)
     p.add_argument(
         "--tree",
         type=Path,
@@ -386,7 +381,7 @@ def main() -> int:
         help="local version label (default: fork.<patches>.g<fingerprint>)",
     )
     args = p.parse_args()
-    series = Series(args.series.resolve())
+    series = series_from_arguments(args)
     out, upstream, changes = build_wheel(
         series,
         args.tree.resolve() if args.tree else None,

@@ -52,7 +52,7 @@ from common import (
 )
 from common import run as run_cmd
 from refresh import refresh_series
-from series import TRACKED_PATHS, Series, find_series
+from series import TRACKED_PATHS, Series, default_and_newest, find_series
 from testenv import count, read_junit, run_pytest
 from venv import VENV, ensure_venv, release_venv
 
@@ -351,12 +351,27 @@ def main() -> int:
         help="run only the project's tests marked slow (make test-slow)",
     )
     p.add_argument(
+        "--all",
+        action="store_true",
+        help="test every release's series in full (default: the default "
+        "series and the newest release's; make test-releases proves the rest)",
+    )
+    p.add_argument(
         "--skip-upstream",
         action="store_true",
         help="skip upstream's tests (the slowest step)",
     )
     args = p.parse_args()
     series_list = find_series(args.series)
+    if not args.series and not args.all:
+        series_list, others = default_and_newest(series_list)
+        if others:
+            say(
+                f"testing in full the series on {series_list[0].base().version} and "
+                f"on the newest release; {len(others)} other releases' series "
+                f"({', '.join(s.base().version for s in others)}) are proved by "
+                "make test-releases"
+            )
     LOGS.mkdir(parents=True, exist_ok=True)
     report = Report()
     start = time.monotonic()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import re
 import tomllib
@@ -219,3 +220,52 @@ def find_series(dirs: list[Path] | None = None) -> list[Series]:
 
 def version_key(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version))
+
+
+def series_for_version(version: str) -> Series:
+    """The series that serves a release: patches/ for the default one's
+    version, else patches/v<version>/ (made by `make rebase`)."""
+    default = Series(DEFAULT_SERIES)
+    if version == default.base().version:
+        return default
+    candidate = DEFAULT_SERIES / f"v{version}"
+    if (candidate / "base.toml").is_file():
+        return Series(candidate)
+    have = ", ".join(s.base().version for s in find_series())
+    raise ForkError(
+        f"no series for vLLM {version}: {rel(candidate)}/base.toml not found.\n"
+        f"Releases with a series: {have}.\n"
+        f"Make one with `make rebase BASE={version}` (from the nearest series), "
+        "prove it with `make test-releases RELEASES=" + version + "`, and commit "
+        f"{rel(candidate)}/ and {rel(DEFAULT_SERIES / 'resolutions')}/."
+    )
+
+
+def add_series_arguments(p: argparse.ArgumentParser) -> None:
+    """--series DIR or --version RELEASE (make ... VERSION=<release>)."""
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--series",
+        type=Path,
+        help="series directory (default: patches/, or the --version's)",
+    )
+    which.add_argument(
+        "--version",
+        metavar="RELEASE",
+        help="the series for this vLLM release (patches/ or patches/v<release>/)",
+    )
+
+
+def series_from_arguments(args: argparse.Namespace) -> Series:
+    if args.version:
+        return series_for_version(args.version)
+    return Series((args.series or DEFAULT_SERIES).resolve())
+
+
+def default_and_newest(found: list[Series]) -> tuple[list[Series], list[Series]]:
+    """The default series (found first) and the newest release's; the rest."""
+    default, others = found[0], found[1:]
+    if not others:
+        return [default], []
+    newest = max(others, key=lambda s: version_key(s.base().version))
+    return [default, newest], [s for s in others if s is not newest]

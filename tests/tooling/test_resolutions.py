@@ -173,3 +173,17 @@ def test_a_port_is_stale_only_on_the_release_it_was_made_for(tmp_path):
     # The same patch's port for another release's files is no stale port.
     release_tree(tmp_path, UPSTREAM.replace("line 9\n", "line nine\n"), "9.9.11")
     assert res.stale_port(tree, patch, "HEAD", "refs/remotes/upstream/v9.9.11") is None
+
+
+def test_the_committed_store_holds_exactly_what_the_series_use():
+    from rebase import series_dirs
+
+    dirs = series_dirs(res.STORE.parent)
+    assert res.check_store(res.STORE, dirs) == []
+    used = {entry for d in dirs for entry in res.used_by(d)}
+    present = {
+        f"{kind}/{p.name}"
+        for kind in (res.RERERE, res.PORTS)
+        for p in (res.STORE / kind).iterdir()
+    }
+    assert present == used
