@@ -28,8 +28,8 @@ fetch: ## download and verify the pinned upstream base, import it into .cache/
 apply: venv ## build vllm/: upstream base + patches + overlay (idempotent; VERSION=<release>)
 	$(PYTHON) scripts/apply.py $(PICK) --tree $(TREE)
 
-refresh: ## write patches/ back from the commits in vllm/
-	$(PYTHON) scripts/refresh.py --series $(SERIES) --tree $(TREE)
+refresh: ## write patches/ back from the commits in vllm/ (VERSION=<release>: its series)
+	$(PYTHON) scripts/refresh.py $(PICK) --tree $(TREE)
 
 install: apply ## pip install -e vllm into .venv with this machine's variables (VERSION=<release>)
 	$(PYTHON) scripts/install.py --tree $(TREE)
@@ -38,7 +38,7 @@ venv: ## create .venv with torch and vLLM's build requirements
 	@$(PYTHON) scripts/venv.py build >/dev/null
 
 test: ## tooling tests, upstream tests on base and series, reproducers, lint
-	$(PYTHON) scripts/run_tests.py
+	$(PYTHON) scripts/run_tests.py $(ARGS)
 
 test-releases: ## every release's series: reproducers and upstream tests, base against series (RELEASES=0.19.0,0.28.0)
 	$(PYTHON) scripts/test_releases.py $(if $(RELEASES),--releases $(RELEASES))

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from apply import OVERLAY_SUBJECT, check_clean, init_tree
 from common import (
-    DEFAULT_SERIES,
     DEFAULT_TREE,
     ForkError,
     git,
@@ -27,7 +26,7 @@ from common import (
     run,
     say,
 )
-from series import Series
+from series import Series, add_series_arguments, series_from_arguments
 
 # format-patch output must not depend on the user's git configuration.
 ISOLATED_GIT = {"GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1"}
@@ -143,12 +142,7 @@ def refresh_series(series: Series, tree: Path = DEFAULT_TREE) -> dict[str, list[
 
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument(
-        "--series",
-        type=Path,
-        default=DEFAULT_SERIES,
-        help="series directory to write (default: patches/)",
-    )
+    add_series_arguments(p)
     p.add_argument(
         "--tree",
         type=Path,
@@ -156,7 +150,7 @@ def main() -> int:
         help="patched checkout to read (default: vllm/)",
     )
     args = p.parse_args()
-    series = Series(args.series.resolve())
+    series = series_from_arguments(args)
     changes = refresh_series(series, args.tree.resolve())
     total = len(series.patches())
     for kind, names in changes.items():
