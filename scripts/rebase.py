@@ -59,6 +59,7 @@ from resolutions import (
     gitdir,
     has_port,
     merge_rr,
+    note_path,
     patch_paths,
     prune,
     record_port,
@@ -571,6 +572,8 @@ def record(state: State, entry: Entry, outcome: Outcome) -> None:
     entry.files = outcome.files
     entry.conflict_ids = sorted(set(entry.conflict_ids) | set(outcome.conflicts))
     state.conflict_paths.update(outcome.conflicts)
+    for conflict_id, path in outcome.conflicts.items():
+        note_path(state.tree_path, conflict_id, path)
     entry.port = outcome.port
 
 

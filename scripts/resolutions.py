@@ -46,6 +46,10 @@ TREE_PORTS = "vllm-fork-ports"  # in the tree's git directory
 # The line of a series' REBASE.md that names the store entries it used.
 USED_LINE = "Recorded resolutions used (patches/resolutions/): "
 VARIANT_RE = re.compile(r"^(pre|post)image(?:\.(\d+))?$")
+# Beside rerere's images in the tree's rr-cache/<id>/: the file the conflict
+# is in. rerere keeps no path, and replays a resolution without naming its
+# id; the store needs the path to keep the conflict as a diff.
+PATH_NOTE = "vllm-fork-path"
 
 
 def gitdir(tree: Path) -> Path:
@@ -138,6 +142,18 @@ def image_name(kind: str, n: int) -> str:
     return f"{kind}image" + (f".{n}" if n else "")
 
 
+def note_path(tree: Path, conflict_id: str, path: str) -> None:
+    """Remember in the tree which file conflict `conflict_id` is in."""
+    entry = rr_cache(tree) / conflict_id
+    entry.mkdir(parents=True, exist_ok=True)
+    (entry / PATH_NOTE).write_text(path + "\n")
+
+
+def noted_path(tree: Path, conflict_id: str) -> str:
+    note = rr_cache(tree) / conflict_id / PATH_NOTE
+    return note.read_text().strip() if note.is_file() else ""
+
+
 def read_blob(tree: Path, blob: str, cache_repo: Path | None) -> bytes | None:
     """A blob's bytes from the tree, else from the upstream cache; "" is the
     empty file (a file the release does not have)."""
@@ -186,9 +202,10 @@ def save_conflict(
     cache_repo: Path | None = None,
 ) -> str:
     """Store variant `n` of the tree's recorded resolution of `conflict_id`,
-    made on `path` of the release `release_ref` ("" if the path is not
-    known: the whole preimage is then stored)."""
+    made on `path` of the release `release_ref` ("": the path noted in the
+    tree; if none is, the whole preimage is stored)."""
     pre, post = variants(rr_cache(tree) / conflict_id)[n]
+    path = path or noted_path(tree, conflict_id)
     blob = blob_id(tree, release_ref, path) if path else ""
     base = read_blob(tree, blob, cache_repo)
     meta = {"id": conflict_id, "path": path, "blob": blob}
@@ -216,6 +233,8 @@ def seed_conflicts(
         pre = apply_diff(base, (entry / PREIMAGE_DIFF).read_bytes())
         post = apply_diff(pre, (entry / POSTIMAGE_DIFF).read_bytes())
         paths[meta["id"]] = meta["path"]
+        if meta["path"]:
+            note_path(tree, meta["id"], meta["path"])
         dest = rr_cache(tree) / meta["id"]
         have = variants(dest)
         if any(

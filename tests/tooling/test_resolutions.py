@@ -187,3 +187,18 @@ def test_the_committed_store_holds_exactly_what_the_series_use():
         for p in (res.STORE / kind).iterdir()
     }
     assert present == used
+
+
+def test_a_replayed_conflict_is_kept_by_the_path_noted_in_the_tree(tmp_path):
+    # rerere replays a resolution without naming its conflict: the path
+    # noted beside its images when it was recorded (or seeded) is used.
+    tree = release_tree(tmp_path)
+    pre, post = conflicted(UPSTREAM)
+    record(tree, "d" * 40, pre, post)
+    res.note_path(tree, "d" * 40, "pool.py")
+    name = res.save_conflict(
+        tree, tmp_path / "store", "d" * 40, 0, "", "refs/remotes/upstream/v9.9.10"
+    )
+    meta = json.loads((tmp_path / "store" / name / res.RERERE_META).read_text())
+    assert meta["path"] == "pool.py" and meta["blob"]
+    assert len((tmp_path / "store" / name / res.PREIMAGE_DIFF).read_bytes()) < len(pre)
