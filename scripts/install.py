@@ -110,7 +110,9 @@ def main() -> int:
     say(f"==> {shown} {rel(VENV)}/bin/pip install --no-build-isolation -e {rel(tree)}")
     os.environ.update(env)
     pip_install(VENV, ["--no-build-isolation", "-e", str(tree)])
-    version = run([python, "-c", "import vllm; print(vllm.__version__)"]).stdout
+    # -I: not the checkout's vllm/ directory (a namespace package from the
+    # repository's root), only what the install put on the path.
+    version = run([python, "-I", "-c", "import vllm; print(vllm.__version__)"]).stdout
     say(f"installed vllm {version.strip()}")
     return 0
 

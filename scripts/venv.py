@@ -35,9 +35,12 @@ RELAXED = {
 DEFAULT_TORCH = "torch==2.13.0"
 # What vLLM's pyproject.toml asks of a build, minus cmake/ninja (no kernels
 # are compiled here: VLLM_TARGET_DEVICE=empty or VLLM_USE_PRECOMPILED=1).
+# setup.py imports setuptools-rust from 0.24.0 on (its Rust extensions are
+# optional: none is built here).
 BUILD_REQS = [
     "setuptools>=77.0.3,<81",
     "setuptools-scm>=8",
+    "setuptools-rust>=1.9.0",
     "wheel",
     "packaging>=24.2",
     "jinja2",
