@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from release_table import carried
+
 from common import WORK, ForkError, main_guard, parser, rel, say, step
 from run_tests import build_env, prepare, release_env, reproducers, upstream_tests
 from series import Series, find_series, series_for_version, version_key
@@ -49,7 +51,9 @@ class Row:
 
 
 def patch_numbers(series: Series) -> str:
-    numbers = [p.name[:4] for p in series.patches()]
+    """The patches a series carries, by their number in the default series
+    (so that rows compare across releases)."""
+    numbers = carried(find_series()[0], series)
     return f"{len(numbers)}: " + " ".join(numbers) if numbers else "0"
 
 
