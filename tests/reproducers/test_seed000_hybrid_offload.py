@@ -215,7 +215,14 @@ def test_corrupted_free_queue_stops_the_engine(monkeypatch, store_delay):
                     shared.append((e.stats.steps, problem))
 
         try:
-            e.add_request(PROMPT_A, max_tokens=8)
+            first = e.add_request(PROMPT_A, max_tokens=8)
+            e.step()
+            watch(e)
+            if e.requests[first].num_computed_tokens == 0:
+                # As in start_first_request: 0.19 never admits PROMPT_A here.
+                pytest.skip(
+                    "this release never admits the first request into this pool"
+                )
             e.run(max_steps=300, after_step=watch)
             e.add_request(PROMPT_B, max_tokens=8)
             e.run(max_steps=300, after_step=watch)
