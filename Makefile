@@ -10,7 +10,9 @@ ARGS ?=
 # make apply/install/wheel/overlay VERSION=0.28.0: that release's series
 # (patches/v0.28.0/, or patches/ for its own release) instead of SERIES.
 # (make rebase reads VERSION as the version a git ref stands for.)
-PICK = $(if $(VERSION),--version $(VERSION),--series $(SERIES))
+# Only a VERSION given on the command line: one exported for another tool
+# must not switch the series silently.
+PICK = $(if $(filter command line,$(origin VERSION)),--version $(VERSION),--series $(SERIES))
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-releases test-slow bench rebase \

@@ -171,6 +171,8 @@ class State:
     # Patches (by number or name) to stop after, to adapt them to the new
     # release although they apply: EDIT= (see `advance`).
     edit: list[str] = field(default_factory=list)
+    # The patch's commit where EDIT= stopped, to tell an amended one.
+    edit_tip: str = ""
 
     @property
     def store(self) -> Path:
@@ -209,7 +211,10 @@ class State:
 
 def store_for(into: Path) -> Path:
     """The resolution store shared by the series beside `into`
-    (patches/resolutions/ for patches/v<release>/)."""
+    (patches/resolutions/ for patches/v<release>/, and for patches/ itself
+    when the default series is moved in place)."""
+    if into.resolve() == DEFAULT_SERIES.resolve():
+        return into / RESOLUTIONS
     return into.parent / RESOLUTIONS
 
 
@@ -276,13 +281,16 @@ def adapted(tree: Path, patch: Path, before: str) -> Outcome | None:
     # The patch's message and author, on the port's files.
     run(
         ["git", "-C", tree, "commit", "-q", "--no-verify", "-C", committed],
-        env={
-            k: v
-            for k, v in tool_identity_env().items()
-            if k.startswith("GIT_COMMITTER")
-        },
+        env=committer_env(),
     )
     return Outcome(MERGED, "recorded adaptation", port=port)
+
+
+def committer_env() -> dict[str, str]:
+    """The tooling's identity as committer (the author stays the patch's)."""
+    return {
+        k: v for k, v in tool_identity_env().items() if k.startswith("GIT_COMMITTER")
+    }
 
 
 def replay_one(
@@ -464,6 +472,14 @@ def start(
     patch named in `edit`."""
     old = series.base()
     patches = series.patches()
+    unknown = [e for e in edit or [] if not any(to_edit(p.name, [e]) for p in patches)]
+    if unknown:
+        raise ForkError(
+            f"EDIT={' '.join(unknown)} names no patch of {rel(series.dir)}/ "
+            "(EDIT takes a patch's number or name in the series being moved: "
+            + ", ".join(p.name[:4] for p in patches)
+            + "). Nothing was changed."
+        )
     init_tree(tree)
     check_clean(tree)
     check_into(into)
@@ -557,6 +573,7 @@ def advance(state: State, first: int) -> State:
             # next rebase replays it (see `adapted`).
             state.stopped_at = i
             state.stopped_head = git(tree, "rev-parse", "HEAD~1")
+            state.edit_tip = head(tree)
             state.save()
             raise edit_stop(state, entry)
         state.save()
@@ -609,15 +626,12 @@ def drop_fixed_reproducers(state: State, entry: Entry) -> None:
             and line.removeprefix("Reproducer:").strip() in fixed
         )
     ]
-    committer = {
-        k: v for k, v in tool_identity_env().items() if k.startswith("GIT_COMMITTER")
-    }
     run(
         [
             *("git", "-C", tree, "commit", "-q", "--amend", "--cleanup=whitespace"),
             *("-m", "\n".join(kept) + "\n"),
         ],
-        env=committer,
+        env=committer_env(),
     )
     entry.detail += (
         f"; {len(fixed)} of its reproducers pass or skip on {state.new.version}: "
@@ -710,6 +724,18 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
         outcome = commit_resolution(
             tree, state.stopped_head, "resolved by hand", new.version, port
         )
+    elif state.edit_tip and head(tree) == state.edit_tip:
+        # Stopped by EDIT= and continued without a change: nothing to record.
+        say(f"    {entry.name}: not changed after the EDIT= stop; kept as it applied")
+        state.stopped_at, state.edit_tip = -1, ""
+        state.save()
+        return advance(state, state.patches.index(entry) + 1)
+    elif state.edit_tip and git(tree, "rev-parse", "HEAD~1") != state.stopped_head:
+        raise ForkError(
+            f"{entry.name}: amend its commit (git -C {t} commit -a --amend "
+            f"--no-edit); HEAD~1 is not the commit before it any more. Then "
+            + make_hint("rebase-continue", tree)
+        )
     elif head(tree) != state.stopped_head:
         # The user finished the `git am` themselves, or amended a patch that
         # EDIT= stopped after.
@@ -734,7 +760,7 @@ def resume(tree: Path = DEFAULT_TREE) -> State:
         f"    [{state.stopped_at + 1}/{len(state.patches)}] {entry.name}: {entry.state}"
     )
     first = state.stopped_at + 1
-    state.stopped_at = -1
+    state.stopped_at, state.edit_tip = -1, ""
     state.save()
     return advance(state, first)
 

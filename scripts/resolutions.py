@@ -185,10 +185,14 @@ def store_images(
     name = f"{meta['id']}-{digest.hexdigest()[:12]}"
     dest = store / RERERE / name
     if not dest.is_dir():
-        dest.mkdir(parents=True)
-        (dest / RERERE_META).write_text(text)
-        (dest / PREIMAGE_DIFF).write_bytes(pre_diff)
-        (dest / POSTIMAGE_DIFF).write_bytes(post_diff)
+
+        def fill(tmp: Path) -> None:
+            tmp.mkdir()
+            (tmp / RERERE_META).write_text(text)
+            (tmp / PREIMAGE_DIFF).write_bytes(pre_diff)
+            (tmp / POSTIMAGE_DIFF).write_bytes(post_diff)
+
+        write_whole(dest, fill)
     return f"{RERERE}/{name}"
 
 
@@ -226,12 +230,19 @@ def seed_conflicts(
     paths: dict[str, str] = {}
     root = store / RERERE
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        meta = json.loads((entry / RERERE_META).read_text())
-        base = read_blob(tree, meta["blob"], cache_repo)
-        if base is None:
-            continue  # made on a file this tree never had: it cannot match
-        pre = apply_diff(base, (entry / PREIMAGE_DIFF).read_bytes())
-        post = apply_diff(pre, (entry / POSTIMAGE_DIFF).read_bytes())
+        try:
+            meta = json.loads((entry / RERERE_META).read_text())
+            base = read_blob(tree, meta["blob"], cache_repo)
+            if base is None:
+                continue  # made on a file this tree never had: it cannot match
+            pre = apply_diff(base, (entry / PREIMAGE_DIFF).read_bytes())
+            post = apply_diff(pre, (entry / POSTIMAGE_DIFF).read_bytes())
+        except (OSError, ValueError, KeyError, ForkError) as e:
+            raise ForkError(
+                f"the recorded resolution {rel(entry)} is broken ({e}): restore "
+                "it from git (git checkout -- " + rel(entry) + "), or delete it "
+                "and resolve that conflict again"
+            ) from e
         paths[meta["id"]] = meta["path"]
         if meta["path"]:
             note_path(tree, meta["id"], meta["path"])
@@ -382,20 +393,41 @@ def stale_port(tree: Path, patch: Path, before: str, release_ref: str) -> Path |
             continue
         meta = json.loads(meta_file.read_text())
         recorded = meta.get("release_blobs", {})
-        if meta["patch"] == patch.name and recorded == release_blobs(
+        # The same patch whatever its number in this or that series.
+        if same_patch(meta["patch"], patch.name) and recorded == release_blobs(
             tree, release_ref, list(recorded)
         ):
             return entry
     return None
 
 
+def same_patch(name: str, other: str) -> bool:
+    """Whether two patch file names are one patch, numbered by two series
+    (0006-X.patch in one series is 0004-X.patch in another)."""
+    return name.split("-", 1)[-1] == other.split("-", 1)[-1]
+
+
 def save_port(tree: Path, key: str, store: Path) -> str:
-    """Copy the tree's port `key` into the store; its entry's name."""
+    """Copy the tree's port `key` into the store, replacing what it held
+    under that key (the same patch on the same files: the latest resolution
+    is the one meant); its entry's name."""
     src = gitdir(tree) / TREE_PORTS / key
     dest = store / PORTS / key
-    if not dest.exists():
-        shutil.copytree(src, dest)
+    write_whole(dest, lambda tmp: shutil.copytree(src, tmp))
     return f"{PORTS}/{key}"
+
+
+def write_whole(dest: Path, fill) -> None:
+    """Write a store entry whole or not at all: `fill` writes a temporary
+    directory beside `dest`, which then replaces it (an interrupted write
+    leaves no half entry)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".tmp-") as tmp:
+        staged = Path(tmp) / "entry"
+        fill(staged)
+        if dest.exists():
+            shutil.rmtree(dest)
+        staged.rename(dest)
 
 
 # --- the store as a whole ----------------------------------------------------
@@ -413,7 +445,14 @@ def used_by(series_dir: Path) -> list[str]:
 
 
 def prune(store: Path, series_dirs: list[Path]) -> list[str]:
-    """Remove the store's entries that no series uses any more; their names."""
+    """Remove the store's entries that no series uses any more; their names.
+    Nothing is removed while a series' REBASE.md reports recorded
+    resolutions but names none (a line lost by hand or in a merge): what
+    it uses cannot be told."""
+    for d in series_dirs:
+        report = d / "REBASE.md"
+        if report.is_file() and "(recorded)" in report.read_text() and not used_by(d):
+            return []
     used = {e for d in series_dirs for e in used_by(d)}
     removed = []
     for kind in (RERERE, PORTS):

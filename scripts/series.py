@@ -218,13 +218,22 @@ def find_series(dirs: list[Path] | None = None) -> list[Series]:
     return found
 
 
-def version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", version))
+def version_key(version: str) -> tuple:
+    """Order releases: 0.9.0 < 0.33.0 < 0.100.0, and a final release above
+    its pre-releases (0.34.0rc1, 0.34.0.dev0) and below its post-releases."""
+    m = re.match(r"v?(\d+(?:\.\d+)*)(.*)", version)
+    if not m:
+        return ((), 0, ())
+    release = tuple(int(x) for x in m.group(1).split("."))
+    rest = m.group(2)
+    tag = 1 if not rest else 2 if rest.lstrip(".").startswith("post") else 0
+    return (release, tag, tuple(int(x) for x in re.findall(r"\d+", rest)))
 
 
 def series_for_version(version: str) -> Series:
     """The series that serves a release: patches/ for the default one's
     version, else patches/v<version>/ (made by `make rebase`)."""
+    version = version.removeprefix("v")
     default = Series(DEFAULT_SERIES)
     if version == default.base().version:
         return default

@@ -82,10 +82,12 @@ def upstream_summary(detail: str) -> str:
 def prove(series: Series, is_default: bool) -> Row:
     """Every check of one release; never raises for a failing check."""
     start = time.monotonic()
-    version = series.base().version
+    version, numbers = rel(series.dir), "?"
     problems: list[str] = []
     repro, upstream, environment = "not run", "not run", ""
     try:
+        version = series.base().version
+        numbers = patch_numbers(series)
         trees = prepare(series)
         if is_default:
             _, environment, python = build_env(trees)
@@ -107,7 +109,7 @@ def prove(series: Series, is_default: bool) -> Row:
     return Row(
         release=version,
         series=rel(series.dir) + "/",
-        patches=patch_numbers(series),
+        patches=numbers,
         reproducers=repro,
         upstream=upstream,
         environment=environment,
@@ -141,8 +143,7 @@ def run(
     """Prove each series in turn; write the table and the JSON."""
     rows = []
     for i, series in enumerate(all_series, 1):
-        version = series.base().version
-        step(f"[{i}/{len(all_series)}] vLLM {version} ({rel(series.dir)}/)")
+        step(f"[{i}/{len(all_series)}] {rel(series.dir)}/")
         row = prove_one(series, series.dir == default.dir)
         say(
             f"    {'ok' if row.ok else 'FAILED'}: {row.reproducers}; "

@@ -484,3 +484,83 @@ def test_a_patch_that_applies_is_adapted_with_edit_and_replayed(
         "recorded adaptation",
     )
     assert snapshot(tmp / "into") == first
+
+
+def test_edit_must_name_a_patch_and_an_unchanged_stop_records_nothing(
+    five, project, tmp_path
+):
+    tmp = five.tree.parent
+
+    def go(tree: Path, edit: list[str]):
+        return rebase.start(
+            five.series,
+            five.release("9.9.10", NEW_RELEASE),
+            tmp / "into",
+            tree,
+            five.cache,
+            python=Path(sys.executable),
+            repro_root=project,
+            base_tree=tmp / "base-9.9.10",
+            logs=tmp / "logs",
+            edit=edit,
+        )
+
+    head_before = git(five.tree, "rev-parse", "HEAD")
+    with pytest.raises(ForkError, match="EDIT=99 names no patch"):
+        go(five.tree, ["99"])
+    assert git(five.tree, "rev-parse", "HEAD") == head_before
+    assert not rebase.state_exists(five.tree)
+    # Stopped by EDIT= and continued without amending: kept as it applied,
+    # no adaptation recorded.
+    with pytest.raises(ForkError, match="stopped after 0001"):
+        go(five.tree, ["0001"])
+    with pytest.raises(ForkError, match="0005-Conflict"):
+        rebase.resume(five.tree)
+    entry = rebase.State.load(five.tree).patches[0]
+    assert (entry.state, entry.port) == ("clean", "")
+
+
+def test_a_new_adaptation_replaces_the_stored_one(five, project, tmp_path):
+    tmp = five.tree.parent
+
+    def go(tree: Path, edit: list[str], line: str):
+        with pytest.raises(ForkError, match="stopped after"):
+            rebase.start(
+                five.series,
+                five.release("9.9.10", NEW_RELEASE),
+                tmp / "into",
+                tree,
+                five.cache,
+                python=Path(sys.executable),
+                repro_root=project,
+                base_tree=tmp / "base-9.9.10",
+                logs=tmp / "logs",
+                edit=edit,
+            )
+        path = tree / "vllm/v1/core/block_pool.py"
+        path.write_text(path.read_text() + line)
+        git(tree, "commit", "-q", "-a", "--amend", "--no-edit")
+        try:
+            rebase.resume(tree)
+        except ForkError:  # patch 5: its conflict, or its port now stale
+            if "<<<<<<<" in path.read_text():
+                resolve_by_hand(tree)
+            rebase.resume(tree)
+
+    go(five.tree, ["1"], "adaptation A\n")
+    go(tmp_path / "second", ["1"], "adaptation B\n")
+    # A third checkout replays the latest adaptation, A and B.
+    state = rebase.start(
+        five.series,
+        five.release("9.9.10", NEW_RELEASE),
+        tmp / "into",
+        tmp_path / "third",
+        five.cache,
+        python=Path(sys.executable),
+        repro_root=project,
+        base_tree=tmp / "base-9.9.10",
+        logs=tmp / "logs",
+    )
+    assert state.patches[0].detail == "recorded adaptation"
+    text = (tmp_path / "third" / "vllm/v1/core/block_pool.py").read_text()
+    assert "adaptation A\n" in text and "adaptation B\n" in text

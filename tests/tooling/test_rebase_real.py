@@ -8,10 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from resolutions import STORE, check_store
 
 import rebase
 from common import DEFAULT_SERIES, OVERLAY
-from resolutions import STORE, check_store
 from series import Series, read_base
 
 COMMITTED = DEFAULT_SERIES / "v0.33.0"

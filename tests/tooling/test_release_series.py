@@ -134,3 +134,21 @@ def test_upstream_summary_reads_run_tests_detail():
     assert test_releases.upstream_summary(detail) == (
         "base 293 passed, series 297 passed, 9 newly failing"
     )
+
+
+def test_releases_are_ordered_with_pre_releases_below_the_final(patches):
+    from series import version_key as key
+
+    assert key("0.34.0rc1") < key("0.34.0") < key("0.34.0.post1")
+    assert key("0.34.0.dev0") < key("0.34.0") < key("0.100.0")
+    assert series_for_version("v0.24.0").dir == patches / "v0.24.0"
+
+
+def test_a_release_whose_check_breaks_is_a_failed_row(patches, monkeypatch):
+    def broken(series):
+        raise ForkError("the sdist's checksum does not match")
+
+    monkeypatch.setattr(test_releases, "prepare", broken)
+    row = test_releases.prove(Series(patches / "v0.24.0"), False)
+    assert (row.release, row.ok) == ("0.24.0", False)
+    assert row.problems == ["the sdist's checksum does not match"]

@@ -202,3 +202,30 @@ def test_a_replayed_conflict_is_kept_by_the_path_noted_in_the_tree(tmp_path):
     meta = json.loads((tmp_path / "store" / name / res.RERERE_META).read_text())
     assert meta["path"] == "pool.py" and meta["blob"]
     assert len((tmp_path / "store" / name / res.PREIMAGE_DIFF).read_bytes()) < len(pre)
+
+
+def test_a_broken_entry_is_named(tmp_path):
+    tree = release_tree(tmp_path)
+    entry = tmp_path / "store" / res.RERERE / ("e" * 40 + "-000000000000")
+    entry.mkdir(parents=True)  # interrupted before its files were written
+    with pytest.raises(res.ForkError, match=f"{entry.name} is broken"):
+        res.seed_conflicts(tree, tmp_path / "store", 1000.0)
+
+
+def test_prune_removes_nothing_while_a_report_lost_its_used_line(tmp_path):
+    store = tmp_path / "resolutions"
+    (store / "ports" / "k1").mkdir(parents=True)
+    series = tmp_path / "v9.9.10"
+    series.mkdir()
+    (series / "REBASE.md").write_text(
+        "| 0001 | merged | conflict resolved (recorded) |"
+    )
+    assert res.prune(store, [series]) == []
+    assert (store / "ports" / "k1").is_dir()
+
+
+def test_one_patch_numbered_by_two_series_is_one_patch():
+    assert res.same_patch(
+        "0006-Store-only-blocks.patch", "0004-Store-only-blocks.patch"
+    )
+    assert not res.same_patch("0006-Store-only.patch", "0006-Something-else.patch")
