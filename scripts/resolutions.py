@@ -371,9 +371,11 @@ def apply_port(tree: Path, patch: Path, before: str) -> str:
         )
         if proc.returncode != 0:
             raise ForkError(
-                f"the recorded port {src} of {patch.name} does not apply: "
-                f"{proc.stderr.strip()}\nDelete it and rebase again to resolve "
-                "the conflict by hand."
+                f"the recorded port {key} of {patch.name} does not apply: "
+                f"{proc.stderr.strip()}\nTo resolve the conflict by hand instead, "
+                f"delete both copies, {rel(STORE / PORTS / key)}/ (the series "
+                f"whose REBASE.md names it must then be rebased again) and "
+                f"{rel(src)}/, and rebase again."
             )
     return key
 
