@@ -27,7 +27,13 @@ from series import Series
 CONFLICT_RE = re.compile(r"^<<<<<<< .*?^>>>>>>> [^\n]*\n", re.M | re.S)
 
 
-def start(up: Upstream, project: Path, tree: Path | None = None, into=None):
+def start(
+    up: Upstream,
+    project: Path,
+    tree: Path | None = None,
+    into=None,
+    edit: list[str] | None = None,
+):
     tmp = up.tree.parent
     return rebase.start(
         up.series,
@@ -39,6 +45,7 @@ def start(up: Upstream, project: Path, tree: Path | None = None, into=None):
         repro_root=project,
         base_tree=tmp / "base-9.9.10",
         logs=tmp / "logs",
+        edit=edit,
     )
 
 
@@ -451,18 +458,7 @@ def test_a_patch_that_applies_is_adapted_with_edit_and_replayed(
     tmp = five.tree.parent
 
     def go(tree: Path, edit: list[str]):
-        return rebase.start(
-            five.series,
-            five.release("9.9.10", NEW_RELEASE),
-            tmp / "into",
-            tree,
-            five.cache,
-            python=Path(sys.executable),
-            repro_root=project,
-            base_tree=tmp / "base-9.9.10",
-            logs=tmp / "logs",
-            edit=edit,
-        )
+        return start(five, project, tree=tree, edit=edit)
 
     with pytest.raises(ForkError, match="stopped after 0001-Clean-change-line-35"):
         go(five.tree, ["1"])
@@ -489,21 +485,8 @@ def test_a_patch_that_applies_is_adapted_with_edit_and_replayed(
 def test_edit_must_name_a_patch_and_an_unchanged_stop_records_nothing(
     five, project, tmp_path
 ):
-    tmp = five.tree.parent
-
     def go(tree: Path, edit: list[str]):
-        return rebase.start(
-            five.series,
-            five.release("9.9.10", NEW_RELEASE),
-            tmp / "into",
-            tree,
-            five.cache,
-            python=Path(sys.executable),
-            repro_root=project,
-            base_tree=tmp / "base-9.9.10",
-            logs=tmp / "logs",
-            edit=edit,
-        )
+        return start(five, project, tree=tree, edit=edit)
 
     head_before = git(five.tree, "rev-parse", "HEAD")
     with pytest.raises(ForkError, match="EDIT=99 names no patch"):
@@ -521,22 +504,9 @@ def test_edit_must_name_a_patch_and_an_unchanged_stop_records_nothing(
 
 
 def test_a_new_adaptation_replaces_the_stored_one(five, project, tmp_path):
-    tmp = five.tree.parent
-
     def go(tree: Path, edit: list[str], line: str):
         with pytest.raises(ForkError, match="stopped after"):
-            rebase.start(
-                five.series,
-                five.release("9.9.10", NEW_RELEASE),
-                tmp / "into",
-                tree,
-                five.cache,
-                python=Path(sys.executable),
-                repro_root=project,
-                base_tree=tmp / "base-9.9.10",
-                logs=tmp / "logs",
-                edit=edit,
-            )
+            start(five, project, tree=tree, edit=edit)
         path = tree / "vllm/v1/core/block_pool.py"
         path.write_text(path.read_text() + line)
         git(tree, "commit", "-q", "-a", "--amend", "--no-edit")
@@ -550,17 +520,7 @@ def test_a_new_adaptation_replaces_the_stored_one(five, project, tmp_path):
     go(five.tree, ["1"], "adaptation A\n")
     go(tmp_path / "second", ["1"], "adaptation B\n")
     # A third checkout replays the latest adaptation, A and B.
-    state = rebase.start(
-        five.series,
-        five.release("9.9.10", NEW_RELEASE),
-        tmp / "into",
-        tmp_path / "third",
-        five.cache,
-        python=Path(sys.executable),
-        repro_root=project,
-        base_tree=tmp / "base-9.9.10",
-        logs=tmp / "logs",
-    )
+    state = start(five, project, tree=tmp_path / "third")
     assert state.patches[0].detail == "recorded adaptation"
     text = (tmp_path / "third" / "vllm/v1/core/block_pool.py").read_text()
     assert "adaptation A\n" in text and "adaptation B\n" in text
