@@ -154,8 +154,8 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
 
 
 def scheduler_options(cfg: HarnessConfig) -> dict[str, Any]:
-    """SchedulerConfig's options that not every release has (0.19 lacks
-    scheduler_reserve_full_isl), given only where they are not the default."""
+    """SchedulerConfig options the harness sets, given only where they are
+    not vLLM's default, so that the default config is the release's own."""
     if cfg.reserve_full_isl:
         return {}
     return {"scheduler_reserve_full_isl": False}
