@@ -5,6 +5,10 @@
   accelerator cleanup fixture, and a platform plugin selecting the CPU;
 - an offline Hugging Face cache holding only the config.json of the hub
   models the tests name (no weights), built from tests/upstream_env.
+  facebook/opt-125m, which vLLM's create_scheduler tokenizes with, also
+  has a one-token vocab.json and an empty merges.txt: transformers 5
+  builds exactly that tokenizer when the files are missing, but 4.x (0.19.0
+  pins it) cannot build any, and every scheduler test failed there for it.
 """
 
 from __future__ import annotations
