@@ -154,8 +154,9 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
 
 
 def scheduler_options(cfg: HarnessConfig) -> dict[str, Any]:
-    """SchedulerConfig options the harness sets, given only where they are
-    not vLLM's default, so that the default config is the release's own."""
+    """SchedulerConfig options the harness sets, given only where a
+    HarnessConfig differs from its own defaults (vLLM's too, on every
+    release from 0.19.0 to 0.33.0)."""
     if cfg.reserve_full_isl:
         return {}
     return {"scheduler_reserve_full_isl": False}

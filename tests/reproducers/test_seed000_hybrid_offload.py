@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok, manager_violations, pool_violations
@@ -36,9 +37,22 @@ PROMPT_B = list(range(20000, 20445))
 CPU_POOLS = (1024, 20)
 
 
-def seed000_engine(
-    store_delay: int, num_cpu_blocks: int = 1024, reserve_full_isl: bool = True
-) -> Engine:
+def counts_every_window_block() -> bool:
+    """Whether the release's whole-prompt admission check
+    (scheduler_reserve_full_isl, on by default) counts a sliding window
+    group's blocks for the whole prompt, as 0.19 does. 0.20.0 caps them at
+    what a chunked prefill holds at once
+    (SlidingWindowSpec.max_admission_blocks_per_request)."""
+    return not hasattr(SlidingWindowSpec, "max_admission_blocks_per_request")
+
+
+def seed000_engine(store_delay: int, num_cpu_blocks: int = 1024) -> Engine:
+    """Seed 000's engine. On 0.19 its whole-prompt check counts 56 blocks
+    for PROMPT_A (28 per group) and never admits it into 52, though the
+    prefill holds at most 47 at once; there the check is off, as an
+    operator can set it (--no-scheduler-reserve-full-isl), and admission
+    looks at the first chunk. test_overlapping_requests_with_the_check_on
+    shows that the check does not keep 0.19 from the bug."""
     return Engine(
         HarnessConfig(
             block_size=16,
@@ -47,7 +61,7 @@ def seed000_engine(
             hybrid=True,
             sliding_window=48,
             max_num_batched_tokens=256,
-            reserve_full_isl=reserve_full_isl,
+            reserve_full_isl=not counts_every_window_block(),
             transfer_delay=lambda is_store: store_delay if is_store else 0,
         )
     )
@@ -58,26 +72,28 @@ def start_seed000(
     num_cpu_blocks: int = 1024,
     after_step: Callable[[Engine], None] | None = None,
 ) -> Engine:
-    """An engine that has taken PROMPT_A's first chunk.
+    """Seed 000's engine after PROMPT_A's first step, which must admit it:
+    the scenario needs a first request that nearly fills the pool."""
+    e = seed000_engine(store_delay, num_cpu_blocks)
+    req_id = e.add_request(PROMPT_A, max_tokens=8)
+    e.step()
+    if after_step is not None:
+        after_step(e)
+    assert e.requests[req_id].num_computed_tokens > 0, (
+        "the first request was not admitted into this pool: the scenario tests nothing"
+    )
+    return e
 
-    The scenario needs the first request admitted into a pool it nearly
-    fills. 0.19's whole-prompt admission check (scheduler_reserve_full_isl,
-    on by default) counts every window block of the prompt, 56 here, so it
-    never admits PROMPT_A into 52 blocks. There the engine turns the check
-    off, as an operator can (--no-scheduler-reserve-full-isl), and admits by
-    chunk as later releases do with it on. (The check does not keep 0.19
-    from the bug: with it on, 11 of 300 random workloads of two to six
-    overlapping requests listed a GPU block twice in one store event or
-    corrupted the free queue, measured on 0.19.0.)"""
-    for reserve_full_isl in (True, False):
-        e = seed000_engine(store_delay, num_cpu_blocks, reserve_full_isl)
-        req_id = e.add_request(PROMPT_A, max_tokens=8)
-        e.step()
-        if after_step is not None:
-            after_step(e)
-        if e.requests[req_id].num_computed_tokens > 0:
-            return e
-    pytest.skip("this release never admits the first request into this pool")
+
+def blocks_stored_twice(e: Engine) -> list[tuple[int, list[int]]]:
+    """(store event, GPU blocks it lists more than once) for each such event."""
+    found = []
+    for store in e.copy_backend.launched:
+        if store["is_store"]:
+            gpu_ids = Counter(src for src, _ in store["pairs"])
+            if twice := sorted(b for b, n in gpu_ids.items() if n > 1):
+                found.append((store["event_idx"], twice))
+    return found
 
 
 class PoolWatch:
@@ -135,16 +151,50 @@ def first_request_stores_each_block_once(num_cpu_blocks: int) -> None:
     e = start_seed000(store_delay=0, num_cpu_blocks=num_cpu_blocks, after_step=watch)
     e.run(after_step=watch)
 
-    stores = [x for x in e.copy_backend.launched if x["is_store"]]
-    assert stores, "the request should have been offloaded"
-    for store in stores:
-        gpu_ids = Counter(src for src, _ in store["pairs"])
-        twice = sorted(b for b, n in gpu_ids.items() if n > 1)
-        assert not twice, (
-            f"{num_cpu_blocks} CPU blocks: store event {store['event_idx']} "
-            f"lists {twice} twice"
-        )
+    assert any(x["is_store"] for x in e.copy_backend.launched), (
+        "the request should have been offloaded"
+    )
+    twice = blocks_stored_twice(e)
+    assert not twice, f"{num_cpu_blocks} CPU blocks: (store event, blocks) {twice}"
     assert watch.first is None, f"GPU pool inconsistent after step {watch.first}"
+    assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
+
+
+def test_overlapping_requests_with_the_check_on():
+    """The same bug with the whole-prompt check on, on every release: four
+    overlapping requests in 90 blocks (a workload a random search found on
+    0.19.0, where seed 000's own pool needs the check off). Measured on
+    the bare releases: 0.19.0 and 0.20.2 list blocks 86-88 twice in store
+    event 8 (0.19.0's free queue is corrupt from step 28), 0.33.0 lists
+    five blocks twice in event 5."""
+    e = Engine(
+        HarnessConfig(
+            block_size=16,
+            num_gpu_blocks=90,
+            hybrid=True,
+            sliding_window=48,
+            max_num_batched_tokens=256,
+            transfer_delay=lambda is_store: 2 if is_store else 0,
+        )
+    )
+    arrivals = {
+        1: (list(range(100, 130)), 12),
+        11: (list(range(1000, 1439)), 17),
+        13: (list(range(5000, 5309)), 58),
+        23: (list(range(9000, 9161)), 3),
+    }
+    watch = PoolWatch()
+    for step in range(max(arrivals) + 1):
+        if step in arrivals:
+            prompt, max_tokens = arrivals[step]
+            e.add_request(prompt, max_tokens=max_tokens)
+        e.step()
+        watch(e)
+    e.run(after_step=watch)
+
+    assert blocks_stored_twice(e) == []
+    assert watch.first is None, f"GPU pool inconsistent after step {watch.first}"
+    assert len(e.stats.finished) == len(arrivals)
     assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
 
 
