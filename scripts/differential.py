@@ -20,6 +20,17 @@ series must carry on to the end without either. Anything else fails, with
 the trace, the first divergent step and both records there, and how to
 replay it.
 
+Liveness, whatever the steps: a declared effect permits a different
+schedule, never less progress. Every request the base completes, the
+series must complete (unless the base crashed), and a series that stalls
+(nothing scheduled, nothing moving, requests left) where the base drains
+fails. Two trace families run: "mixed" (the general traces above) and
+"offload" (liveness scenarios of the CPU offload connector: prefixes
+offloaded, the GPU prefix cache emptied, then arrivals that load them as
+async loads; priority, hybrid, late loads). The report counts stalls on
+the base and on the series; --newest-tree adds the newest bare release's
+stalls on the same traces (the goal: the series stalls no more than it).
+
     scripts/differential.py [--series DIR] [--seeds N] [--first-seed K]
                             [--series-tree DIR]
 
@@ -42,11 +53,14 @@ from typing import Any
 
 from apply import apply_series, checkout_base
 from common import DEFAULT_SERIES, ROOT, WORK, main_guard, parser, rel
-from series import Series
+from series import Series, find_series, version_key
 from soak import Worker
-from venv import series_venv
+from venv import release_venv, series_venv
 
 OUT = WORK / "differential"
+# Trace families (tests/harness/traces.py): general traces, and the CPU
+# offload connector's liveness scenarios.
+FAMILIES = ("mixed", "offload")
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,13 @@ EFFECTS = [
         "hybrid requests with CPU hits take every group's prefix hits first",
     ),
     Effect(
+        "go-on-to-the-requests-that-hold",
+        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
+        "kv-holders",
+        "where the scan stops for blocks, waiting requests that hold KV blocks "
+        "(finished async loads, streaming sessions given input) go on",
+    ),
+    Effect(
         "admit-an-async-KV-load",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
         "loads",
@@ -106,14 +127,18 @@ EFFECTS = [
 
 def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int):
     """Whether `name` holds at step i (records up to i of both trees)."""
+    seen = [*base[: i + 1], *series[: i + 1]]
+    loads = any(r["loads"] or r["remote_waiting"] for r in seen)
+    if name == "kv-holders":
+        # Waiting requests hold KV blocks: finished async loads, or
+        # streaming sessions that got their next input.
+        return trace.get("streaming", False) or (trace["offload"] and loads)
     if not trace["offload"]:
         return False
     if name == "eager":
         return not trace["lazy"]
-    seen = [*base[: i + 1], *series[: i + 1]]
     if name == "stores":
         return any(r["stores"] for r in seen)
-    loads = any(r["loads"] or r["remote_waiting"] for r in seen)
     if name == "loads":
         return loads
     if name == "hybrid-loads":
@@ -126,6 +151,27 @@ class Verdict:
     seed: int
     kind: str  # same, explained, base-failed, FAILED
     detail: str = ""
+    family: str = "mixed"
+    # The engine stalled: requests left, nothing scheduled or moving.
+    base_stalled: bool = False
+    series_stalled: bool = False
+
+
+def progress_lost(base: dict[str, Any], series: dict[str, Any]) -> str:
+    """What the base completed and the series did not, as a reason to fail
+    ("" when the series made at least the base's progress). A base that
+    crashed or broke an invariant promises nothing."""
+    if base["crash"] or base["violation"]:
+        return ""
+    lost = sorted(set(base.get("completed", ())) - set(series.get("completed", ())))
+    if not lost and not (series.get("stalled") and not base.get("stalled")):
+        return ""
+    return (
+        f"liveness: the series {'stalls' if series.get('stalled') else 'ends'} "
+        f"with {', '.join(lost) or 'requests'} unfinished, which the base "
+        f"completes ({len(base['steps'])} base steps, {len(series['steps'])} "
+        "series steps)"
+    )
 
 
 def first_difference(base: list, series: list) -> tuple[int, set[str]] | None:
@@ -144,7 +190,25 @@ def compare(
     base: dict[str, Any],
     series: dict[str, Any],
     effects: list[Effect],
+    family: str = "mixed",
 ) -> Verdict:
+    verdict = step_verdict(seed, trace, base, series, effects)
+    verdict.family = family
+    verdict.base_stalled = bool(base.get("stalled"))
+    verdict.series_stalled = bool(series.get("stalled"))
+    if verdict.kind != "FAILED" and (lost := progress_lost(base, series)):
+        verdict.kind, verdict.detail = "FAILED", lost
+    return verdict
+
+
+def step_verdict(
+    seed: int,
+    trace: dict[str, Any],
+    base: dict[str, Any],
+    series: dict[str, Any],
+    effects: list[Effect],
+) -> Verdict:
+    """The step-by-step comparison: same, explained, base-failed or FAILED."""
     if series["crash"] or series["violation"]:
         return Verdict(
             seed, "FAILED", f"series: {series['crash'] or series['violation']}"
@@ -205,49 +269,63 @@ def run_traces(
     progress: bool = True,
     out: Path = OUT,
     base_cache: Path | None = None,
+    families: tuple[str, ...] = FAMILIES,
+    newest: tuple[Path, Path] | None = None,
 ) -> tuple[list[Verdict], list[str]]:
-    """Run the traces of `seeds` on both trees; the verdicts and a report.
-    The workers log into `out`. With `base_cache`, the base's results are
-    read from there when present (and written there when not)."""
+    """Run the traces of `seeds` of each family on both trees; the verdicts
+    and a report. The workers log into `out`. With `base_cache`, the base's
+    results are read from there when present (and written there when not).
+    `newest` (python, tree): the newest bare release, run on the same traces
+    for its stall count."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from harness.traces import generate
+    from harness.traces import FAMILIES as GENERATORS
 
     start = time.monotonic()
 
-    def worker(name: str, tree: Path) -> Worker:
+    def worker(name: str, tree: Path, py: Path = python) -> Worker:
         return Worker(
-            python, tree, name, seeds.start, module="harness.trace_worker", log_dir=out
+            py, tree, name, seeds.start, module="harness.trace_worker", log_dir=out
         )
 
     workers = {"series": worker("series", series_tree)}
+    if newest is not None:
+        workers["newest"] = worker("newest", newest[1], newest[0])
     verdicts: list[Verdict] = []
+    newest_stalls: Counter[str] = Counter()
     kinds: Counter[tuple[str, str]] = Counter()
     try:
-        for seed in seeds:
-            cached = None
-            if base_cache is not None:
-                path = base_cache / f"{seeds.start}-{seed}.json"
-                cached = json.loads(path.read_text()) if path.exists() else None
-            if cached is None and "base" not in workers:
-                workers["base"] = worker("base", base_tree)
-            for name, w in workers.items():
-                if name == "series" or cached is None:
-                    w.send(str(seed))
-            base = cached or workers["base"].receive(f"trace {seed}", timeout)
-            ser = workers["series"].receive(f"trace {seed}", timeout)
-            if base_cache is not None and cached is None:
-                base_cache.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}")
-                tmp.write_text(json.dumps(base))
-                tmp.replace(path)  # whole or not at all: two runs may race
-            trace = generate(seed)
-            verdict = compare(seed, trace.cfg, base, ser, effects)
-            verdicts.append(verdict)
-            kinds[(trace.connector, verdict.kind)] += 1
-            if verdict.kind == "FAILED" and progress:
-                print(
-                    f"FAILED {trace.describe()}\n    {verdict.detail}", file=sys.stderr
-                )
+        for family in families:
+            for seed in seeds:
+                cached = None
+                if base_cache is not None:
+                    path = base_cache / f"{family}-{seeds.start}-{seed}.json"
+                    cached = json.loads(path.read_text()) if path.exists() else None
+                if cached is None and "base" not in workers:
+                    workers["base"] = worker("base", base_tree)
+                for name, w in workers.items():
+                    if name != "base" or cached is None:
+                        w.send(f"{seed} {family}")
+                what = f"{family} trace {seed}"
+                base = cached or workers["base"].receive(what, timeout)
+                ser = workers["series"].receive(what, timeout)
+                if newest is not None:
+                    newest_stalls[family] += workers["newest"].receive(what, timeout)[
+                        "stalled"
+                    ]
+                if base_cache is not None and cached is None:
+                    base_cache.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_suffix(f".{os.getpid()}")
+                    tmp.write_text(json.dumps(base))
+                    tmp.replace(path)  # whole or not at all: two runs may race
+                trace = GENERATORS[family](seed)
+                verdict = compare(seed, trace.facts(), base, ser, effects, family)
+                verdicts.append(verdict)
+                kinds[(trace.connector, verdict.kind)] += 1
+                if verdict.kind == "FAILED" and progress:
+                    print(
+                        f"FAILED {trace.describe()}\n    {verdict.detail}",
+                        file=sys.stderr,
+                    )
     finally:
         for w in workers.values():
             w.close()
@@ -261,6 +339,7 @@ def run_traces(
     for c in ("none", "eager", "lazy"):
         row = [kinds[(c, k)] for k in ("same", "explained", "base-failed", "FAILED")]
         lines.append(f"| {c} | " + " | ".join(map(str, row)) + " |")
+    lines += ["", *liveness_table(verdicts, newest_stalls if newest else None)]
     explained = Counter(
         v.detail.split(" by ", 1)[1] for v in verdicts if v.kind == "explained"
     )
@@ -268,15 +347,44 @@ def run_traces(
         lines += ["", "Explained divergences, by the patches that declare them:"]
         lines += [f"- {n}: {k}" for k, n in explained.most_common()]
     if failed:
-        lines += ["", f"{len(failed)} traces diverge where no patch says so:"]
+        lines += ["", f"{len(failed)} traces fail (a divergence no patch declares, "]
+        lines[-1] += "or less progress than the base):"
         for v in failed:
-            lines.append(f"- {generate(v.seed).describe()}")
+            lines.append(f"- {GENERATORS[v.family](v.seed).describe()}")
             lines.append(f"    {v.detail}")
         lines.append(
             f"Replay one: PYTHONHASHSEED={seeds.start} PYTHONPATH=<tree>:tests "
-            ".venv/bin/python -m harness.trace_worker --seed N (base and series)"
+            ".venv/bin/python -m harness.trace_worker --seed N --family F "
+            "(base and series)"
         )
     return verdicts, lines
+
+
+def liveness_table(
+    verdicts: list[Verdict], newest_stalls: Counter[str] | None
+) -> list[str]:
+    """Stalls per trace family: on the base, on the series, and (when run)
+    on the newest bare release, with the traces where only the series
+    stalls."""
+    head = "| family | traces | stalls on the base | stalls on the series |"
+    rule = "| --- | --- | --- | --- |"
+    if newest_stalls is not None:
+        head += " stalls on the newest bare release |"
+        rule += " --- |"
+    lines = ["Liveness (a stall: requests left, nothing scheduled or moving):"]
+    lines += ["", head, rule]
+    for family in dict.fromkeys(v.family for v in verdicts):
+        mine = [v for v in verdicts if v.family == family]
+        row = [
+            family,
+            len(mine),
+            sum(v.base_stalled for v in mine),
+            sum(v.series_stalled for v in mine),
+        ]
+        if newest_stalls is not None:
+            row.append(newest_stalls[family])
+        lines.append("| " + " | ".join(map(str, row)) + " |")
+    return lines
 
 
 def summary(verdicts: list[Verdict]) -> str:
@@ -285,8 +393,20 @@ def summary(verdicts: list[Verdict]) -> str:
     return (
         f"{len(verdicts)} traces: {c['same']} same, {c['explained']} diverge as "
         f"a patch declares, {c['base-failed']} where the base fails, "
-        f"{c['FAILED']} unexplained"
+        f"{c['FAILED']} failed; stalls: base "
+        f"{sum(v.base_stalled for v in verdicts)}, series "
+        f"{sum(v.series_stalled for v in verdicts)}"
     )
+
+
+def newest_bare_release() -> tuple[Path, Path]:
+    """(python, tree) of the newest release, unpatched: its stalls on the
+    same traces are the liveness goal."""
+    newest = max(find_series(), key=lambda s: version_key(s.base().version))
+    version = newest.base().version
+    tree = WORK / f"v{version}" / "base"
+    checkout_base(newest, tree)
+    return release_venv(version, tree / "requirements" / "common.txt"), tree
 
 
 def main() -> int:
@@ -304,6 +424,16 @@ def main() -> int:
     )
     p.add_argument(
         "--out", type=Path, default=OUT, help=f"report and logs (default {rel(OUT)})"
+    )
+    p.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"trace families, comma-separated (default {','.join(FAMILIES)})",
+    )
+    p.add_argument(
+        "--no-newest",
+        action="store_true",
+        help="do not run the newest bare release for its stall count",
     )
     p.add_argument(
         "--cache-base",
@@ -333,6 +463,10 @@ def main() -> int:
         file=sys.stderr,
     )
     seeds = range(args.first_seed, args.first_seed + args.seeds)
+    families = tuple(f for f in args.families.split(",") if f)
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        p.error(f"unknown trace families {sorted(unknown)}: choose from {FAMILIES}")
     verdicts, lines = run_traces(
         python,
         base_tree,
@@ -342,6 +476,8 @@ def main() -> int:
         args.timeout,
         out=out,
         base_cache=base_cache_dir(version) if args.cache_base else None,
+        families=families,
+        newest=None if args.no_newest else newest_bare_release(),
     )
     lines[0] = f"Differential oracle, vLLM {version}: {lines[0]}"
     print("\n".join(lines))

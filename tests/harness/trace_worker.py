@@ -10,6 +10,11 @@ how many of them wait for KV from the connector, and the blocks the
 connector loaded and stored. A crash (with where in vLLM it was raised)
 and the first invariant violation end the record. scripts/differential.py
 compares the records of the base and the series step by step.
+
+At the end it records which requests completed (finished or aborted) and
+whether the engine stalled: after the trace's last event, STALL_STEPS steps
+in a row that schedule nothing and move no KV while requests remain, or
+MAX_STEPS steps in all. The liveness oracle compares those.
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ from vllm.v1.request import RequestStatus
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import manager_violations
 from harness.soak_worker import where
-from harness.traces import Event, Trace, generate
+from harness.traces import FAMILIES, Event, Trace
 from harness.workloads import late_transfers
 
 MAX_STEPS = 3000
+# Steps in a row with nothing scheduled and no KV moved, after the last
+# event, that make a stall: transfers complete within a few steps, so such
+# an engine never moves again.
+STALL_STEPS = 50
 
 
 def engine_for(trace: Trace) -> Engine:
@@ -56,6 +65,15 @@ def deliver(e: Engine, event: Event) -> None:
         e.abort(req_id)
 
 
+def reset_prefix_cache(e: Engine, steps: list[dict[str, Any]]) -> None:
+    """Run until idle (recording each step), then empty the GPU prefix
+    cache: the CPU keeps what was offloaded."""
+    while e.busy() and len(steps) < MAX_STEPS:
+        before = len(e.copy_backend.launched) if e.copy_backend else 0
+        steps.append(record(e, e.step(), before))
+    e.block_pool.reset_prefix_cache()
+
+
 def record(e: Engine, so: Any, launched_before: int) -> dict[str, Any]:
     launched = e.copy_backend.launched[launched_before:] if e.copy_backend else []
     running, waiting = e.scheduler.get_request_counts()
@@ -75,20 +93,37 @@ def record(e: Engine, so: Any, launched_before: int) -> dict[str, Any]:
     }
 
 
-def run(seed: int) -> dict[str, Any]:
-    trace = generate(seed)
-    out: dict[str, Any] = {"seed": seed, "steps": [], "crash": None, "violation": None}
+def run(seed: int, family: str = "mixed") -> dict[str, Any]:
+    trace = FAMILIES[family](seed)
+    out: dict[str, Any] = {
+        "seed": seed,
+        "steps": [],
+        "crash": None,
+        "violation": None,
+        "completed": [],
+        "stalled": False,
+    }
+    steps = out["steps"]
+    e = None
     try:
         e = engine_for(trace)
         last = trace.last_step()
+        idle = 0
         for step in range(MAX_STEPS):
             for event in trace.events.get(step, ()):
-                deliver(e, event)
+                if event[0] == "reset":
+                    reset_prefix_cache(e, steps)
+                else:
+                    deliver(e, event)
             if step > last and not e.busy():
                 break
             before = len(e.copy_backend.launched) if e.copy_backend else 0
             so = e.step()
-            out["steps"].append(record(e, so, before))
+            steps.append(record(e, so, before))
+            moved = steps[-1]["sched"] or steps[-1]["loads"] or steps[-1]["stores"]
+            idle = 0 if moved or step <= last else idle + 1
+            if idle >= STALL_STEPS:
+                break
             if problems := manager_violations(e.scheduler.kv_cache_manager):
                 out["violation"] = f"step {step}: {problems[0]}"
                 break
@@ -99,19 +134,28 @@ def run(seed: int) -> dict[str, Any]:
         if where(exc) == "?":
             raise  # the harness's own failure, not vLLM's: stop the worker
         out["crash"] = f"{type(exc).__name__} at {where(exc)}: {str(exc)[:300]}"
+    if e is not None:
+        out["completed"] = sorted(e.stats.finished | e.stats.aborted)
+        out["stalled"] = not (out["crash"] or out["violation"]) and e.busy()
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, help="run this trace and print its record")
-    p.add_argument("--serve", action="store_true", help="one seed per stdin line")
+    p.add_argument(
+        "--serve", action="store_true", help="one 'SEED [FAMILY]' per stdin line"
+    )
+    p.add_argument(
+        "--family", choices=sorted(FAMILIES), default="mixed", help="trace family"
+    )
     args = p.parse_args()
     if args.serve:
         for line in sys.stdin:
-            print(json.dumps(run(int(line))), flush=True)
+            seed, *family = line.split()
+            print(json.dumps(run(int(seed), *family)), flush=True)
     elif args.seed is not None:
-        print(json.dumps(run(args.seed), indent=1))
+        print(json.dumps(run(args.seed, args.family), indent=1))
     else:
         p.error("give --seed N or --serve")
 

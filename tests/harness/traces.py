@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # An event: ("add", id, prompt, max_tokens, priority, resumable),
-# ("chunk", id, tokens, max_tokens), ("end", id) or ("abort", id).
+# ("chunk", id, tokens, max_tokens), ("end", id), ("abort", id), or
+# ("reset",): run until idle, then empty the GPU prefix cache (what is
+# offloaded stays on the CPU, so the next hits there are async loads).
 Event = tuple[Any, ...]
 
 
@@ -34,6 +36,8 @@ class Trace:
     # may take to complete, drawn per transfer from the seed).
     cfg: dict[str, Any]
     events: dict[int, list[Event]] = field(default_factory=dict)
+    # Which generator made it (FAMILIES).
+    family: str = "mixed"
 
     @property
     def connector(self) -> str:
@@ -44,7 +48,7 @@ class Trace:
     def describe(self) -> str:
         c = self.cfg
         return (
-            f"seed {self.seed}: connector {self.connector}, "
+            f"{self.family} seed {self.seed}: connector {self.connector}, "
             f"{'hybrid' if c['hybrid'] else 'full attention'}, "
             f"{c['num_gpu_blocks']} GPU blocks, prefix caching "
             f"{'on' if c['prefix_caching'] else 'off'}, {c['policy']}, chunked "
@@ -52,6 +56,12 @@ class Trace:
             f"max_num_seqs {c['max_num_seqs']}, "
             f"{sum(len(v) for v in self.events.values())} events"
         )
+
+    def facts(self) -> dict[str, Any]:
+        """The configuration, and whether the trace has streaming sessions
+        (what the differential oracle's conditions read)."""
+        streaming = any(e[0] == "chunk" for es in self.events.values() for e in es)
+        return {**self.cfg, "streaming": streaming}
 
     def last_step(self) -> int:
         return max(self.events, default=0)
@@ -117,3 +127,56 @@ def generate(seed: int) -> Trace:
         elif rng.random() < 0.1:
             add(step + rng.randint(1, 30), ("abort", req_id))
     return trace
+
+
+def generate_offload(seed: int) -> Trace:
+    """A liveness scenario for the CPU offload connector: a few prefixes run
+    once, so they are offloaded; the GPU prefix cache emptied, so that the
+    requests that follow load them from the CPU as async loads; then 4 to
+    12 arrivals over a few steps, of mixed priorities and sizes, each of
+    which fits the pool alone. Whatever the release completes here, the
+    series must complete too (a stall is an outage nobody is told about)."""
+    rng = random.Random(seed)
+    hybrid = rng.random() < 0.4
+    num_gpu_blocks = rng.randint(40, 120)
+    cfg = {
+        "block_size": 16,
+        "num_gpu_blocks": num_gpu_blocks,
+        "num_cpu_blocks": 256,
+        "hybrid": hybrid,
+        "sliding_window": rng.choice([32, 48, 64]),
+        "offload": True,
+        "lazy": rng.random() < 0.5,
+        "prefix_caching": True,
+        "policy": rng.choice(["fcfs", "priority"]),
+        "max_num_batched_tokens": rng.choice([128, 256, 512]),
+        "max_num_seqs": rng.randint(4, 16),
+        "max_model_len": 4096,
+        "enable_chunked_prefill": True,
+        "max_transfer_delay": rng.randint(0, 4),
+    }
+    trace = Trace(seed, cfg, family="offload")
+    # Blocks a prompt may take: it must fit the pool alone, with its
+    # sliding-window blocks too when hybrid.
+    most_blocks = (num_gpu_blocks - 2) // (2 if hybrid else 1)
+    prefixes = [
+        [rng.randrange(3, 1000) for _ in range(16 * rng.randint(4, most_blocks // 2))]
+        for _ in range(rng.randint(1, 4))
+    ]
+    for n, prefix in enumerate(prefixes):
+        trace.events.setdefault(0, []).append(("add", f"p{n}", prefix, 1, 0, False))
+    trace.events[1] = [("reset",)]
+    step = 2
+    for n in range(rng.randint(4, 12)):
+        step += rng.choice((0, 0, 1, 1, 2, 3))
+        prompt = list(rng.choice(prefixes)) if rng.random() < 0.8 else []
+        prompt += [rng.randrange(3, 1000) for _ in range(rng.randint(1, 16 * 30))]
+        prompt = prompt[: 16 * most_blocks - 16]
+        event = ("add", f"r{n}", prompt, rng.randint(1, 8), rng.randint(0, 3), False)
+        trace.events.setdefault(step, []).append(event)
+    return trace
+
+
+# Trace families: the differential oracle's general traces, and the
+# liveness scenarios of the CPU offload connector.
+FAMILIES = {"mixed": generate, "offload": generate_offload}

@@ -300,6 +300,67 @@ def test_a_lying_count_met_by_external_blocks_names_the_group(layout):
     assert "links only" in str(err)
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [("full",), ("full", "swa"), ("swa", "full")],
+    ids=["full", "full+swa", "swa+full"],
+)
+def test_an_undercount_on_an_unshared_pool_fails_loudly(monkeypatch, layout):
+    # The groups' count says one block fewer than the call takes, on a pool
+    # no other engine shares (issue 26). The release raises a bare
+    # ValueError from the pool. Turning that into a refusal would wait
+    # forever with nothing said: the next step counts the same. It must
+    # raise KVCacheCorruptionError, naming both counts and the groups, with
+    # nothing left taken.
+    manager = make_manager(layout, num_blocks=24)
+    first = make_request("r0", list(range(16 * 6)))
+    assert schedule(manager, first, first.num_tokens)
+    before = manager_snapshot(manager)
+    count = manager.coordinator.get_num_blocks_to_allocate
+    monkeypatch.setattr(
+        manager.coordinator,
+        "get_num_blocks_to_allocate",
+        lambda *a, **k: count(*a, **k) - 1,
+    )
+    free = manager.block_pool.get_num_free_blocks()
+    # Exactly the free blocks, and one more than the count says.
+    req = make_request("r1", list(range(1000, 1000 + 16 * 40)))
+    num_tokens = next(
+        n
+        for n in range(16, req.num_tokens, 16)
+        if count(
+            request_id="r1",
+            num_tokens=n,
+            new_computed_blocks=manager.empty_kv_cache_blocks.blocks,
+            num_encoder_tokens=0,
+            total_computed_tokens=0,
+            num_tokens_main_model=n,
+        )
+        == free + 1
+    )
+    with pytest.raises(Exception) as info:
+        manager.allocate_slots(req, num_tokens)
+    err = info.value
+    assert type(err).__name__ == "KVCacheCorruptionError", repr(err)
+    assert f"said {free} blocks fit in {free} free" in str(err), str(err)
+    assert "Groups: 0: " in str(err), str(err)
+    assert manager_snapshot(manager) == before
+    assert_manager_ok(manager)
+
+
+def test_a_peer_that_takes_blocks_is_still_a_refusal():
+    # The same refusal where another engine took blocks from the pool
+    # between the count and the allocation: a shortage, waited out.
+    manager = make_manager(("full", "swa"), num_blocks=24)
+    peer = PeerEngine(manager.block_pool)
+    peer.arm(after_calls=1)
+    req = make_request("r0", list(range(16 * 8)))
+    assert manager.allocate_slots(req, req.num_tokens) is None
+    assert peer.strikes
+    peer.release()
+    assert manager.allocate_slots(req, req.num_tokens) is not None
+
+
 def assert_manager_ok_but_count(manager: KVCacheManager, extra: int) -> None:
     """Nothing was taken: only the planted miscount is left."""
     manager.block_pool.free_block_queue.num_free_blocks -= extra

@@ -1,0 +1,88 @@
+"""Reproducer for patch 0009: a request that holds KV blocks is not kept
+waiting behind one that cannot be scheduled.
+
+An async KV load takes GPU blocks for the prefix it loads and waits, in
+the skipped-waiting queue, until the transfer finishes; only when the
+waiting scan reaches it is it promoted and scheduled. Under priority
+scheduling a request that arrives later with a higher priority heads the
+scan. If that request cannot get its blocks, the scan stops there, the
+finished load behind it is never promoted, and with nothing running no
+step frees a block: the engine schedules nothing, forever, with two
+requests waiting (issue 26; the same class as vllm-project/vllm#45388,
+which upstream closed for good by draining KV holders first).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.engine import Engine, HarnessConfig
+from harness.invariants import assert_manager_ok
+
+BS = 16
+PREFIX = [7000 + t for t in range(20 * BS)]
+
+
+def engine_with_prefix_on_cpu(load_delay: int, num_gpu_blocks: int = 44) -> Engine:
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=256,
+            policy="priority",
+            transfer_delay=lambda is_store: 0 if is_store else load_delay,
+        )
+    )
+    e.add_request(PREFIX, max_tokens=1)
+    e.run()
+    # Only the CPU holds the prefix now: the request below loads it.
+    assert e.block_pool.reset_prefix_cache()
+    return e
+
+
+@pytest.mark.parametrize("load_delay", [0, 3], ids=["load-at-once", "load-3-late"])
+def test_a_finished_load_is_scheduled_behind_a_head_that_does_not_fit(load_delay):
+    # 43 usable blocks. L (priority 1, 23 blocks) loads its 20-block prefix
+    # and holds those 20; H (priority 0, 37 blocks, nothing cached) arrives
+    # and heads the order, with 23 free: it fits only once L has run.
+    e = engine_with_prefix_on_cpu(load_delay)
+    low = e.add_request(PREFIX + [1] * (3 * BS), max_tokens=2, priority=1)
+    e.step()
+    assert e.scheduler.kv_cache_manager.get_block_ids(low)[0], (
+        "L should be admitted as an async load, holding its prefix's blocks"
+    )
+    high = e.add_request([5000 + t for t in range(37 * BS)], max_tokens=2)
+    try:
+        e.run(max_steps=300)
+    except AssertionError as exc:
+        pytest.fail(f"the scheduler is stuck: {exc}")
+    assert {low, high} <= e.stats.finished
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_a_holder_that_does_not_fit_lets_the_next_holder_go():
+    # Two finished loads hold their prefixes; the first in priority order
+    # needs more than is free, the second fits. The second must run (and
+    # then the first), not wait behind the first forever.
+    e = Engine(
+        HarnessConfig(
+            block_size=BS, num_gpu_blocks=60, num_cpu_blocks=256, policy="priority"
+        )
+    )
+    other = [9000 + t for t in range(20 * BS)]
+    e.add_request(PREFIX, max_tokens=1)
+    e.add_request(other, max_tokens=1)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    # 59 usable: B (priority 1) loads 20 and needs 22 in all; A (priority 0)
+    # loads 20 and needs 40 in all. Both are admitted (22 + 40 > 59 only
+    # counts once they grow), A's remaining 20 do not fit beside B's 22.
+    b = e.add_request(other + [2] * (2 * BS), max_tokens=2, priority=1)
+    a = e.add_request(PREFIX + [1] * (20 * BS), max_tokens=2, priority=0)
+    try:
+        e.run(max_steps=300)
+    except AssertionError as exc:
+        pytest.fail(f"the scheduler is stuck: {exc}")
+    assert {a, b} <= e.stats.finished
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
