@@ -155,6 +155,8 @@ class Verdict:
     # The engine stalled: requests left, nothing scheduled or moving.
     base_stalled: bool = False
     series_stalled: bool = False
+    # The newest bare release on the same trace (None: not run).
+    newest_stalled: bool | None = None
 
 
 def progress_lost(base: dict[str, Any], series: dict[str, Any]) -> str:
@@ -291,7 +293,6 @@ def run_traces(
     if newest is not None:
         workers["newest"] = worker("newest", newest[1], newest[0])
     verdicts: list[Verdict] = []
-    newest_stalls: Counter[str] = Counter()
     kinds: Counter[tuple[str, str]] = Counter()
     try:
         for family in families:
@@ -308,10 +309,9 @@ def run_traces(
                 what = f"{family} trace {seed}"
                 base = cached or workers["base"].receive(what, timeout)
                 ser = workers["series"].receive(what, timeout)
+                newest_stalled = None
                 if newest is not None:
-                    newest_stalls[family] += workers["newest"].receive(what, timeout)[
-                        "stalled"
-                    ]
+                    newest_stalled = workers["newest"].receive(what, timeout)["stalled"]
                 if base_cache is not None and cached is None:
                     base_cache.mkdir(parents=True, exist_ok=True)
                     tmp = path.with_suffix(f".{os.getpid()}")
@@ -319,6 +319,7 @@ def run_traces(
                     tmp.replace(path)  # whole or not at all: two runs may race
                 trace = GENERATORS[family](seed)
                 verdict = compare(seed, trace.facts(), base, ser, effects, family)
+                verdict.newest_stalled = newest_stalled
                 verdicts.append(verdict)
                 kinds[(trace.connector, verdict.kind)] += 1
                 if verdict.kind == "FAILED" and progress:
@@ -339,7 +340,7 @@ def run_traces(
     for c in ("none", "eager", "lazy"):
         row = [kinds[(c, k)] for k in ("same", "explained", "base-failed", "FAILED")]
         lines.append(f"| {c} | " + " | ".join(map(str, row)) + " |")
-    lines += ["", *liveness_table(verdicts, newest_stalls if newest else None)]
+    lines += ["", *liveness_table(verdicts)]
     explained = Counter(
         v.detail.split(" by ", 1)[1] for v in verdicts if v.kind == "explained"
     )
@@ -360,15 +361,13 @@ def run_traces(
     return verdicts, lines
 
 
-def liveness_table(
-    verdicts: list[Verdict], newest_stalls: Counter[str] | None
-) -> list[str]:
+def liveness_table(verdicts: list[Verdict]) -> list[str]:
     """Stalls per trace family: on the base, on the series, and (when run)
-    on the newest bare release, with the traces where only the series
-    stalls."""
+    on the newest bare release."""
     head = "| family | traces | stalls on the base | stalls on the series |"
     rule = "| --- | --- | --- | --- |"
-    if newest_stalls is not None:
+    newest = any(v.newest_stalled is not None for v in verdicts)
+    if newest:
         head += " stalls on the newest bare release |"
         rule += " --- |"
     lines = ["Liveness (a stall: requests left, nothing scheduled or moving):"]
@@ -381,14 +380,15 @@ def liveness_table(
             sum(v.base_stalled for v in mine),
             sum(v.series_stalled for v in mine),
         ]
-        if newest_stalls is not None:
-            row.append(newest_stalls[family])
+        if newest:
+            row.append(sum(bool(v.newest_stalled) for v in mine))
         lines.append("| " + " | ".join(map(str, row)) + " |")
     return lines
 
 
 def summary(verdicts: list[Verdict]) -> str:
-    """One line: how many traces were the same, explained, and so on."""
+    """One line: how many traces were the same, explained, and so on, and
+    the stalls (on the newest bare release too, where it ran)."""
     c = Counter(v.kind for v in verdicts)
     return (
         f"{len(verdicts)} traces: {c['same']} same, {c['explained']} diverge as "
@@ -396,6 +396,11 @@ def summary(verdicts: list[Verdict]) -> str:
         f"{c['FAILED']} failed; stalls: base "
         f"{sum(v.base_stalled for v in verdicts)}, series "
         f"{sum(v.series_stalled for v in verdicts)}"
+        + (
+            f", newest bare release {sum(bool(v.newest_stalled) for v in verdicts)}"
+            if any(v.newest_stalled is not None for v in verdicts)
+            else ""
+        )
     )
 
 

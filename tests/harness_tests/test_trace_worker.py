@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harness.trace_worker import run
-from harness.traces import generate
+from harness.traces import generate, generate_offload
 
 
 def test_a_seed_gives_the_same_trace():
@@ -41,3 +41,26 @@ def test_a_trace_runs_and_records_every_step():
     }
     # The same seed replays step for step.
     assert run(3) == out
+
+
+def test_offload_scenarios_load_after_a_prefix_cache_reset():
+    traces = [generate_offload(seed) for seed in range(100)]
+    assert all(t.cfg["offload"] and t.family == "offload" for t in traces)
+    assert {t.cfg["policy"] for t in traces} == {"fcfs", "priority"}
+    assert {t.cfg["hybrid"] for t in traces} == {True, False}
+    assert all(t.events[1] == [("reset",)] for t in traces)
+    # Prefixes first, then the arrivals that reuse them from the CPU.
+    out = run(5, "offload")
+    assert out["crash"] is None and out["violation"] is None
+    assert any(s["loads"] or s["remote_waiting"] for s in out["steps"])
+
+
+def test_a_run_records_what_completed_and_whether_it_stalled():
+    out = run(3)
+    assert out["completed"] and out["stalled"] in (True, False)
+    assert set(out["completed"]) <= {
+        e[1] for evs in generate(3).events.values() for e in evs if e[0] == "add"
+    }
+    assert generate(3).facts()["streaming"] == any(
+        e[0] == "chunk" for evs in generate(3).events.values() for e in evs
+    )

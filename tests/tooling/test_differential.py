@@ -80,3 +80,46 @@ def test_a_series_that_crashes_or_breaks_an_invariant_fails():
 def test_a_run_that_goes_on_longer_diverges_where_the_other_ended():
     v = compare(0, NO_CONNECTOR, rec(step()), rec(step(), step()), [])
     assert v.kind == "FAILED" and "['ended']" in v.detail
+
+
+def rec_done(*steps, completed=(), stalled=False, crash=None):
+    return {
+        **rec(*steps, crash=crash),
+        "completed": list(completed),
+        "stalled": stalled,
+    }
+
+
+def test_a_declared_effect_never_permits_less_progress():
+    # The schedules differ where 0009 declares it may, but the series then
+    # stalls with r1 unfinished, which the base completes: a failure.
+    effects = [e for e in differential.EFFECTS if "go-on-to-the-requests" in e.patch]
+    streaming = {**NO_CONNECTOR, "streaming": True}
+    base = rec_done(step(), step(free=8), completed=["r0", "r1"])
+    series = rec_done(step(), step(free=9), completed=["r0"], stalled=True)
+    v = compare(0, streaming, base, series, effects)
+    assert v.kind == "FAILED" and v.series_stalled and not v.base_stalled
+    assert "liveness: the series stalls with r1 unfinished" in v.detail
+    # The same divergence with the series completing everything: explained.
+    series = rec_done(step(), step(free=9), completed=["r0", "r1"])
+    assert compare(0, streaming, base, series, effects).kind == "explained"
+    # Without streaming sessions or loads, 0009 explains nothing.
+    assert compare(0, NO_CONNECTOR, base, series, effects).kind == "FAILED"
+
+
+def test_identical_stalls_are_the_same_and_counted():
+    r = rec_done(step(), step(sched=[]), completed=["r0"], stalled=True)
+    v = compare(0, NO_CONNECTOR, r, r, [])
+    assert v.kind == "same" and v.base_stalled and v.series_stalled
+    table = "\n".join(differential.liveness_table([v]))
+    assert "| mixed | 1 | 1 | 1 |" in table
+    v.newest_stalled = False
+    assert "| mixed | 1 | 1 | 1 | 0 |" in "\n".join(differential.liveness_table([v]))
+    assert differential.summary([v]).endswith("newest bare release 0")
+
+
+def test_a_base_that_crashed_promises_no_progress():
+    base = rec_done(step(), crash="ValueError at pool", completed=[])
+    series = rec_done(step(), step(), completed=["r0"])
+    assert differential.progress_lost(base, series) == ""
+    assert differential.progress_lost(series, base) != ""
