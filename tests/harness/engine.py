@@ -411,6 +411,9 @@ def worker_step(
 @dataclass
 class StepStats:
     steps: int = 0
+    # Tokens the scheduler gave work to: the unit a speed comparison divides
+    # by, so a series that schedules more or less work is not read as slower.
+    scheduled_tokens: int = 0
     preemptions: int = 0
     # Time spent in vLLM's Scheduler (schedule + update_from_output), not in
     # the fake runner and worker: what a speed comparison should look at.
@@ -546,6 +549,7 @@ class Engine:
         so = self.scheduler.schedule()
         self.stats.scheduler_seconds += time.perf_counter() - start
         self.stats.preemptions += len(so.preempted_req_ids or ())
+        self.stats.scheduled_tokens += so.total_num_scheduled_tokens
         out = worker_step(
             self.worker,
             self.runner,

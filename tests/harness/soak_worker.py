@@ -187,6 +187,7 @@ def run(name: str, seed: int, scale: int, checks: bool = True) -> dict[str, Any]
     result.update(
         {
             "steps": r.e.stats.steps,
+            "scheduled_tokens": r.e.stats.scheduled_tokens,
             "preemptions": r.e.stats.preemptions,
             "violation_steps": r.violation_steps,
             "first_violation": r.first_violation,

@@ -14,10 +14,18 @@ def test_a_timing_run_is_the_same_run_without_checks():
     again = soak_worker.run("mixed-full-lazy", 3, 1)
     timing = soak_worker.run("mixed-full-lazy", 3, 1, checks=False)
     assert checked["crash"] is None
-    keys = ("steps", "completed", "aborted", "preemptions", "unfinished")
+    keys = (
+        "steps",
+        "scheduled_tokens",
+        "completed",
+        "aborted",
+        "preemptions",
+        "unfinished",
+    )
     assert [checked[k] for k in keys] == [again[k] for k in keys]
     assert [checked[k] for k in keys] == [timing[k] for k in keys]
     assert checked["scheduler_seconds"] > 0
+    assert checked["scheduled_tokens"] > 0
 
 
 def test_serve_answers_each_line(monkeypatch, capsys):
