@@ -566,16 +566,25 @@ def advance(state: State, first: int) -> State:
             state.stopped_head = head(tree)
             state.save()
             raise conflict_stop(state, entry)
-        if outcome.state in (CLEAN, MERGED) and to_edit(entry.name, state.edit):
+        stale = (
+            stale_adaptation(tree, state.patch_file(entry), new.version)
+            if outcome.state in (CLEAN, MERGED) and not outcome.port
+            else None
+        )
+        if outcome.state in (CLEAN, MERGED) and (
+            to_edit(entry.name, state.edit) or stale
+        ):
             # Applied, but the new release needs it changed (code it relies
-            # on moved or grew a case): stop with it committed. The amended
-            # commit is taken in as a hand resolution, a port, so that the
-            # next rebase replays it (see `adapted`).
+            # on moved or grew a case; or a hand port made for this release
+            # is not in what applied, the patch having changed since): stop
+            # with it committed. The amended commit is taken in as a hand
+            # resolution, a port, so that the next rebase replays it (see
+            # `adapted`).
             state.stopped_at = i
             state.stopped_head = git(tree, "rev-parse", "HEAD~1")
             state.edit_tip = head(tree)
             state.save()
-            raise edit_stop(state, entry)
+            raise edit_stop(state, entry, stale)
         state.save()
     return finish(state)
 
@@ -644,10 +653,42 @@ def to_edit(name: str, edit: list[str]) -> bool:
     return any(name == e or name.startswith(e.zfill(4) + "-") for e in edit)
 
 
-def edit_stop(state: State, entry: Entry) -> ForkError:
+def stale_adaptation(tree: Path, patch: Path, version: str) -> Path | None:
+    """A port made by hand for `patch` on this release's files (an EDIT=
+    adaptation, or a resolution) whose edits the patch as it applied does
+    not carry: the patch changed since, and applying it clean would drop
+    the adaptation in silence. None when there is none, or all its changed
+    lines are in the commit."""
+    stale = stale_port(
+        tree, patch, git(tree, "rev-parse", "HEAD~1"), Base(version).tree_ref
+    )
+    if stale is None:
+        return None
+    committed = changed_lines(git(tree, "show", "--format=", "HEAD"))
+    port = changed_lines((stale / PORT_DIFF).read_text())
+    return None if port <= committed else stale
+
+
+def changed_lines(diff: str) -> set[str]:
+    """The lines a diff adds or removes (its file headers left out)."""
+    return {
+        line
+        for line in diff.splitlines()
+        if line[:1] in "+-" and not line.startswith(("+++ ", "--- "))
+    }
+
+
+def edit_stop(state: State, entry: Entry, stale: Path | None = None) -> ForkError:
     t = rel(state.tree_path)
+    why = (
+        f"applied, but the hand port recorded for it on these files "
+        f"({stale / PORT_DIFF}) is not in what applied: the patch changed "
+        "since it was ported. Carry that port's edits over"
+        if stale is not None
+        else "as EDIT= asked"
+    )
     return ForkError(
-        f"stopped after {entry.name}, as EDIT= asked: it is committed on "
+        f"stopped after {entry.name}, {why}: it is committed on "
         f"{state.new.branch} in {t}/. Adapt it to vLLM {state.new.version}:\n"
         f"  1. edit the files, then git -C {t} commit -a --amend --no-edit\n"
         f"  2. {make_hint('rebase-continue', state.tree_path)}\n"

@@ -482,6 +482,38 @@ def test_a_patch_that_applies_is_adapted_with_edit_and_replayed(
     assert snapshot(tmp / "into") == first
 
 
+def test_a_changed_patch_stops_where_its_adaptation_is_not_carried(
+    five, project, tmp_path
+):
+    # Patch 1 was adapted to the release with EDIT=; then the patch changed
+    # (here only its message). It still applies clean there, but applying
+    # it as it is would drop the adaptation in silence (0008 on 0.20.1 lost
+    # its port that way): the rebase stops for the adaptation to be carried.
+    with pytest.raises(ForkError, match="stopped after 0001"):
+        start(five, project, edit=["1"])
+    path = five.tree / "vllm/v1/core/block_pool.py"
+    path.write_text(path.read_text() + "adapted to 9.9.10\n")
+    git(five.tree, "commit", "-q", "-a", "--amend", "--no-edit")
+    with pytest.raises(ForkError, match="0005-Conflict"):
+        rebase.resume(five.tree)
+    resolve_by_hand(five.tree)
+    rebase.resume(five.tree)
+    first = five.series.dir / "0001-Clean-change-line-35.patch"
+    first.write_text(first.read_text().replace("\n---\n", "\nA new line.\n---\n", 1))
+    second = tmp_path / "second"
+    with pytest.raises(ForkError, match="hand port recorded for it on these files"):
+        start(five, project, tree=second)
+    # Carried over (amended), it goes on; an unchanged one would stop again.
+    path = second / "vllm/v1/core/block_pool.py"
+    path.write_text(path.read_text() + "adapted to 9.9.10\n")
+    git(second, "commit", "-q", "-a", "--amend", "--no-edit")
+    rebase.resume(second)  # patch 5's resolution is replayed
+    into = snapshot(five.tree.parent / "into")
+    assert "+adapted to 9.9.10" in into["0001-Clean-change-line-35.patch"].decode()
+    assert "A new line." in into["0001-Clean-change-line-35.patch"].decode()
+    assert "| adapted (recorded) |" in into["REBASE.md"].decode()
+
+
 def test_edit_must_name_a_patch_and_an_unchanged_stop_records_nothing(
     five, project, tmp_path
 ):
