@@ -62,3 +62,39 @@ def test_a_refused_load_does_not_strand_the_load_behind_it(policy, load_delay):
     assert {x, c} <= e.stats.finished
     assert e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_loads_that_failed_whole_do_not_reserve_blocks_for_each_other():
+    # Found in review: two loads fail whole (kv_load_failure_policy
+    # "recompute") and give their blocks back; a streaming session then
+    # idles holding 20 blocks. Had the failed loads stayed in flight, each
+    # would reserve its whole prompt against the other (43 free, 30 each
+    # reserved, 20 to load): both refused, nothing running, forever. The
+    # release, with no reservation, finishes both.
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=64,
+            num_cpu_blocks=256,
+            kv_load_failure_policy="recompute",
+            transfer_delay=lambda is_store: 0 if is_store else 3,
+        )
+    )
+    e.add_request(PREFIX_X, max_tokens=1)
+    e.add_request(PREFIX_C, max_tokens=1)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    f1 = e.add_request(PREFIX_X + [1] * (10 * BS), max_tokens=2)
+    f2 = e.add_request(PREFIX_C + [2] * (10 * BS), max_tokens=2)
+    e.fail_next_load(f1)
+    e.fail_next_load(f2)
+    e.step()
+    session = [3000 + t for t in range(20 * BS)]
+    e.add_request(session, max_tokens=1, req_id="session", resumable=True)
+    for _ in range(60):
+        e.step()
+        if {f1, f2} <= e.stats.finished:
+            break
+    assert {f1, f2} <= e.stats.finished, (
+        "the failed loads wait for each other while the session idles"
+    )
