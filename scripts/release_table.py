@@ -20,34 +20,59 @@ BEGIN = "<!-- release table: scripts/release_table.py writes this -->"
 END = "<!-- end of release table -->"
 
 
-def carried(default: Series, series: Series) -> list[str]:
-    """The default series' numbers of the patches `series` carries."""
+def carried(
+    default: Series, series: Series, extra: dict[str, str] | None = None
+) -> list[str]:
+    """The default series' numbers of the patches `series` carries; a patch
+    of this release's own (a fix of a bug the default release does not
+    have) by its label in `extra` (default: `release_patches`)."""
     numbers = {p.subject(): p.name[:4] for p in default.patches()}
+    if extra is None:
+        extra = release_patches(default, find_series())
     found = []
     for p in series.patches():
-        if p.subject() not in numbers:
+        label = numbers.get(p.subject()) or extra.get(p.subject())
+        if label is None:
             raise ForkError(
                 f"{rel(p.path)}: its subject is no patch of {rel(default.dir)}/ "
-                "(a series for a release descends from the default one)"
+                "nor of another release's series"
             )
-        found.append(numbers[p.subject()])
+        found.append(label)
     return found
+
+
+def release_patches(default: Series, all_series: list[Series]) -> dict[str, str]:
+    """Patches that only other releases' series carry (upstream has a bug
+    there that the default release lacks), by subject: labelled R1, R2, ...
+    in the order of the oldest release that carries each."""
+    numbers = {p.subject() for p in default.patches()}
+    labels: dict[str, str] = {}
+    for s in sorted(all_series, key=lambda s: version_key(s.base().version)):
+        for p in s.patches():
+            if p.subject() not in numbers and p.subject() not in labels:
+                labels[p.subject()] = f"R{len(labels) + 1}"
+    return labels
 
 
 def table(all_series: list[Series] | None = None) -> str:
     all_series = all_series or find_series()
     default = all_series[0]
     numbers = [p.name[:4] for p in default.patches()]
+    extra = release_patches(default, all_series)
     rows = sorted(all_series, key=lambda s: version_key(s.base().version))
     lines = [
-        "| release | series | " + " | ".join(numbers) + " |",
-        "| --- | --- |" + " :-: |" * len(numbers),
+        "| release | series | " + " | ".join([*numbers, *extra.values()]) + " |",
+        "| --- | --- |" + " :-: |" * (len(numbers) + len(extra)),
     ]
     for s in rows:
-        have = set(carried(default, s))
+        have = set(carried(default, s, extra))
         where = rel(s.dir) + "/"
         cells = ["yes" if n in have else "upstream" for n in numbers]
+        cells += ["yes" if n in have else "-" for n in extra.values()]
         lines.append(f"| {s.base().version} | `{where}` | " + " | ".join(cells) + " |")
+    if extra:
+        lines.append("")
+        lines += [f"{label}: {subject}" for subject, label in extra.items()]
     return "\n".join(lines)
 
 

@@ -72,10 +72,17 @@ def test_the_release_table_names_each_patch_by_its_default_number(patches):
     assert rows[5].endswith("| upstream | upstream | yes |")  # 0.100.0, last
 
 
-def test_a_patch_that_no_default_patch_matches_is_an_error(patches):
-    make_series(patches / "v0.25.0", "0.25.0", ["Something else"])
-    with pytest.raises(ForkError, match="is no patch of"):
-        release_table.table()
+def test_a_release_s_own_patch_gets_a_column_of_its_own(patches):
+    # A fix of a bug only later releases have (the default release lacks
+    # it): labelled R1, from the oldest release that carries it.
+    make_series(patches / "v0.25.0", "0.25.0", ["Fix one", "Something else"])
+    make_series(patches / "v0.26.0", "0.26.0", ["Something else"])
+    rows = release_table.table().splitlines()
+    assert rows[0] == "| release | series | 0001 | 0002 | 0003 | R1 |"
+    assert rows[2].endswith("| yes | yes | yes | - |")  # 0.19.0
+    assert rows[5].endswith("| yes | upstream | upstream | yes |")  # 0.25.0
+    assert rows[-1] == "R1: Something else"
+    assert release_table.carried(Series(patches), Series(patches / "v0.26.0")) == ["R1"]
 
 
 def test_the_readme_table_is_the_committed_series():
