@@ -28,11 +28,13 @@ fails. Two trace families run: "mixed" (the general traces above) and
 "offload" (liveness scenarios of the CPU offload connector: prefixes
 offloaded, the GPU prefix cache emptied, then arrivals that load them as
 async loads; priority, hybrid, late loads). The report counts stalls on
-the base and on the series; --newest-tree adds the newest bare release's
-stalls on the same traces (the goal: the series stalls no more than it).
+the base and on the series, and the newest bare release's stalls on the
+same traces (the goal: the series stalls no more than it; --no-newest
+skips it). --all runs every release's series in turn and writes one
+liveness table for them all.
 
-    scripts/differential.py [--series DIR] [--seeds N] [--first-seed K]
-                            [--series-tree DIR]
+    scripts/differential.py [--series DIR | --all] [--seeds N]
+                            [--first-seed K] [--series-tree DIR]
 
 --series-tree compares the base with that tree in place of the series
 (e.g. one built from an older series: `scripts/apply.py --series OLD
@@ -446,9 +448,51 @@ def main() -> int:
         help="keep the base's result of each trace and reuse it (it depends "
         "only on the release and the harness): for runs against many trees",
     )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every release's series, one after the other, with one liveness "
+        "table for them all (out/liveness.md)",
+    )
     args = p.parse_args()
+    families = tuple(f for f in args.families.split(",") if f)
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        p.error(f"unknown trace families {sorted(unknown)}: choose from {FAMILIES}")
+    if args.all and args.series_tree:
+        p.error("--all builds each release's series tree: drop --series-tree")
     out = args.out.resolve()
-    series = Series(args.series.resolve())
+    newest = None if args.no_newest else newest_bare_release()
+    every = sorted(find_series(), key=lambda s: version_key(s.base().version))
+    chosen = every if args.all else [Series(args.series.resolve())]
+    failed, rows = False, []
+    for series in chosen:
+        version = series.base().version
+        dest = out / f"v{version}" if args.all else out
+        verdicts = one_series(series, args, families, dest, newest)
+        failed |= any(v.kind == "FAILED" for v in verdicts)
+        rows += [f"| {version} | {row[2:]}" for row in liveness_table(verdicts)[4:]]
+    if args.all:
+        table = [
+            "| release | family | traces | stalls on the base | stalls on the "
+            "series |" + (" stalls on the newest bare release |" if newest else ""),
+            "| --- | --- | --- | --- | --- |" + (" --- |" if newest else ""),
+            *rows,
+        ]
+        (out / "liveness.md").write_text("\n".join(table) + "\n")
+        print("\n".join(table) + f"\n\nwritten {rel(out / 'liveness.md')}")
+    return 1 if failed else 0
+
+
+def one_series(
+    series: Series,
+    args: Any,
+    families: tuple[str, ...],
+    out: Path,
+    newest: tuple[Path, Path] | None,
+) -> list[Verdict]:
+    """Build the trees of `series` (unless --series-tree names its tree),
+    run the traces on them, print and write the report."""
     version = series.base().version
     base_tree = WORK / f"v{version}" / "base"
     checkout_base(series, base_tree)
@@ -468,10 +512,6 @@ def main() -> int:
         file=sys.stderr,
     )
     seeds = range(args.first_seed, args.first_seed + args.seeds)
-    families = tuple(f for f in args.families.split(",") if f)
-    unknown = set(families) - set(FAMILIES)
-    if unknown:
-        p.error(f"unknown trace families {sorted(unknown)}: choose from {FAMILIES}")
     verdicts, lines = run_traces(
         python,
         base_tree,
@@ -482,14 +522,14 @@ def main() -> int:
         out=out,
         base_cache=base_cache_dir(version) if args.cache_base else None,
         families=families,
-        newest=None if args.no_newest else newest_bare_release(),
+        newest=newest,
     )
     lines[0] = f"Differential oracle, vLLM {version}: {lines[0]}"
     print("\n".join(lines))
     out.mkdir(parents=True, exist_ok=True)
     (out / "differential.md").write_text("\n".join(lines) + "\n")
     print(f"\n{summary(verdicts)}; written {rel(out / 'differential.md')}")
-    return 1 if any(v.kind == "FAILED" for v in verdicts) else 0
+    return verdicts
 
 
 if __name__ == "__main__":
