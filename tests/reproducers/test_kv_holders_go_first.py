@@ -86,3 +86,38 @@ def test_a_holder_that_does_not_fit_lets_the_next_holder_go():
         pytest.fail(f"the scheduler is stuck: {exc}")
     assert {a, b} <= e.stats.finished
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_holders_the_scan_does_not_reach_are_kept():
+    # Two finished loads behind a head that does not fit, and room for one
+    # running request only: the first holder runs, the scan stops at the
+    # request limit, and the second must stay queued (not be dropped) and
+    # run once the first is done.
+    other = [9000 + t for t in range(20 * BS)]
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=64,
+            num_cpu_blocks=256,
+            policy="priority",
+            max_num_seqs=1,
+        )
+    )
+    e.add_request(PREFIX, max_tokens=1)
+    e.add_request(other, max_tokens=1)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    first = e.add_request(PREFIX + [1] * BS, max_tokens=2, priority=1)
+    second = e.add_request(other + [2] * BS, max_tokens=2, priority=2)
+    e.step()
+    assert e.scheduler.kv_cache_manager.get_block_ids(second)[0], (
+        "both should be admitted as async loads, holding their prefixes"
+    )
+    # 63 usable, 42 held by the two loads: the head needs 30 and waits.
+    head = e.add_request([5000 + t for t in range(30 * BS)], max_tokens=2)
+    try:
+        e.run(max_steps=300)
+    except AssertionError as exc:
+        pytest.fail(f"the scheduler is stuck: {exc}")
+    assert {first, second, head} <= e.stats.finished
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
