@@ -114,9 +114,8 @@ EFFECTS = [
     Effect(
         "go-on-to-the-requests-that-hold",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
-        "kv-holders",
-        "where the scan stops for blocks, waiting requests that hold KV blocks "
-        "(finished async loads, streaming sessions given input) go on",
+        "loads",
+        "where the scan stops for blocks, finished async loads waiting behind it go on",
     ),
     Effect(
         "admit-an-async-KV-load",
@@ -129,18 +128,14 @@ EFFECTS = [
 
 def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int):
     """Whether `name` holds at step i (records up to i of both trees)."""
-    seen = [*base[: i + 1], *series[: i + 1]]
-    loads = any(r["loads"] or r["remote_waiting"] for r in seen)
-    if name == "kv-holders":
-        # Waiting requests hold KV blocks: finished async loads, or
-        # streaming sessions that got their next input.
-        return trace.get("streaming", False) or (trace["offload"] and loads)
     if not trace["offload"]:
         return False
     if name == "eager":
         return not trace["lazy"]
+    seen = [*base[: i + 1], *series[: i + 1]]
     if name == "stores":
         return any(r["stores"] for r in seen)
+    loads = any(r["loads"] or r["remote_waiting"] for r in seen)
     if name == "loads":
         return loads
     if name == "hybrid-loads":
@@ -320,7 +315,7 @@ def run_traces(
                     tmp.write_text(json.dumps(base))
                     tmp.replace(path)  # whole or not at all: two runs may race
                 trace = GENERATORS[family](seed)
-                verdict = compare(seed, trace.facts(), base, ser, effects, family)
+                verdict = compare(seed, trace.cfg, base, ser, effects, family)
                 verdict.newest_stalled = newest_stalled
                 verdicts.append(verdict)
                 kinds[(trace.connector, verdict.kind)] += 1

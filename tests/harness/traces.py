@@ -57,12 +57,6 @@ class Trace:
             f"{sum(len(v) for v in self.events.values())} events"
         )
 
-    def facts(self) -> dict[str, Any]:
-        """The configuration, and whether the trace has streaming sessions
-        (what the differential oracle's conditions read)."""
-        streaming = any(e[0] == "chunk" for es in self.events.values() for e in es)
-        return {**self.cfg, "streaming": streaming}
-
     def last_step(self) -> int:
         return max(self.events, default=0)
 
