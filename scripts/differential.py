@@ -118,6 +118,13 @@ EFFECTS = [
         "where the scan stops for blocks, finished async loads waiting behind it go on",
     ),
     Effect(
+        "break-a-KV-deadlock",
+        frozenset({"free"}),
+        "idle",
+        "with nothing running and the scan stopped for blocks, one waiting "
+        "request that holds blocks gives them back",
+    ),
+    Effect(
         "admit-an-async-KV-load",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
         "loads",
@@ -128,6 +135,11 @@ EFFECTS = [
 
 def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int):
     """Whether `name` holds at step i (records up to i of both trees)."""
+    if name == "idle":
+        # The base scheduled nothing at step i, with nothing running and
+        # requests waiting: the only steps where a deadlock can be broken.
+        step = base[i]
+        return not step["sched"] and not step["running"] and bool(step["waiting"])
     if not trace["offload"]:
         return False
     if name == "eager":
