@@ -375,6 +375,26 @@ def apply_one(worktree: Path, patch: Patch, signer: str) -> str | None:
     return git(worktree, "rev-parse", "HEAD")
 
 
+def stack_on_backports(
+    worktree: Path, patch: Patch, backports: list[Patch], signer: str
+) -> tuple[str, str | None]:
+    """Apply the skipped `backports`, then `patch`, at the worktree's HEAD:
+    for a patch whose context is a backport's code, on a ref older than
+    the upstream fix. The HEAD the patch went on, and its commit (None,
+    with the worktree back where it was, if it still does not apply)."""
+    before = git(worktree, "rev-parse", "HEAD")
+    for backport in backports:
+        if apply_one(worktree, backport, signer) in (None, before):
+            git(worktree, "reset", "-q", "--hard", before)
+            return before, None
+    start = git(worktree, "rev-parse", "HEAD")
+    commit = apply_one(worktree, patch, signer)
+    if commit is None:
+        git(worktree, "reset", "-q", "--hard", before)
+        return before, None
+    return start, commit
+
+
 def export_series(
     series: Series,
     tree: Path,
@@ -406,12 +426,16 @@ def export_series(
     wt = Path(tempfile.mkdtemp(prefix="vllm-fork-export-"))
     try:
         git(tree, "worktree", "add", "-q", "--detach", wt, onto)
+        # Backports skipped so far: with --stack, a patch written on top of
+        # one (the ref predates the upstream fix) is stacked on it.
+        skipped: list[Patch] = []
         for patch in patches:
             result = Exported(patch)
             results.append(result)
             if patch.is_upstream():
                 result.note = f"skipped: already upstream ({patch.upstream_status()})"
                 say(f"    {patch.name}: {result.note}")
+                skipped.append(patch)
                 continue
             step(f"{patch.name}: {patch.subject()}")
             if not stack:
@@ -420,6 +444,16 @@ def export_series(
             git(wt, "clean", "-q", "-fdx")
             start = git(wt, "rev-parse", "HEAD")
             commit = apply_one(wt, patch, signer)
+            if commit is None and stack and skipped:
+                start, commit = stack_on_backports(wt, patch, skipped, signer)
+                if commit is not None:
+                    result.note = (
+                        "stacked on "
+                        + ", ".join(p.name for p in skipped)
+                        + f": upstream later, not in {onto_ref}; it needs them"
+                    )
+                    say(f"    {result.note}")
+                    skipped = []
             if commit == start:
                 result.problems.append(
                     f"changes nothing on {onto_ref} ({onto[:12]}): it is there "
