@@ -119,10 +119,10 @@ EFFECTS = [
     ),
     Effect(
         "break-a-KV-deadlock",
-        frozenset({"free"}),
+        frozenset({"free", "preempted"}),
         "idle",
         "with nothing running and the scan stopped for blocks, one waiting "
-        "request that holds blocks gives them back",
+        "request that holds blocks gives them back, reported as preempted",
     ),
     Effect(
         "admit-an-async-KV-load",
