@@ -88,3 +88,105 @@ def test_an_idle_session_keeps_its_blocks():
     e.run(max_steps=100)
     assert {a, b} <= e.stats.finished
     assert e.runner.violations == []
+
+
+def test_the_freed_request_is_reported_as_preempted():
+    # The worker drops its state and the connector flushes the transfers
+    # that may still read its blocks, as for any preempted request.
+    e, a, b = sessions_holding_most_blocks("priority")
+    e.add_request([500 + t for t in range(60)], 2, a, resumable=True, priority=0)
+    e.add_request([700 + t for t in range(60)], 2, b, resumable=True, priority=1)
+    preempted: set[str] = set()
+    for _ in range(3):
+        preempted |= set(e.step().preempted_req_ids or ())
+    assert preempted == {b}
+
+
+def test_a_freed_session_finds_only_its_own_prefix():
+    # S's prompt (31 tokens) and its sampled token t fill block 1; S drops
+    # t for its new input, but its hash of block 1 may still include t. R,
+    # which carries t at that place, caches block 1. Freed, S looks its
+    # prefix up again: it must not take R's block 1 for its own.
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=20,
+            offload=False,
+            policy="priority",
+            max_num_batched_tokens=256,
+        )
+    )
+    prompt = [100 + t for t in range(31)]
+    s = e.add_request(prompt, 1, "S", resumable=True, priority=1)
+    a = e.add_request([1000 + t for t in range(100)], 1, "A", resumable=True)
+    for _ in range(3):
+        e.step()
+    sampled = e.scheduler.requests[s].all_token_ids[31]
+    e.add_request([2000 + t for t in range(188)], 2, a, resumable=True)
+    e.add_request([5000 + t for t in range(16)], 2, s, resumable=True, priority=1)
+    for _ in range(4):
+        e.step()
+    assert e.scheduler.requests[s].num_computed_tokens == 0, "S should be freed"
+    e.abort(a)
+    e.add_request(prompt + [sampled] + [9000 + t for t in range(16)], 1, "R")
+    for _ in range(6):
+        e.step()
+    assert e.runner.violations == []
+
+
+def test_nothing_is_freed_while_a_store_can_give_blocks_back():
+    # Lazy offload: R's blocks are stored on eviction and held until the
+    # store completes (3 steps). A session waits for blocks meanwhile: the
+    # scheduler waits for the store rather than freeing the other's KV.
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=20,
+            num_cpu_blocks=64,
+            lazy=True,
+            max_num_batched_tokens=256,
+            transfer_delay=lambda is_store: 3 if is_store else 0,
+        )
+    )
+    a = e.add_request([100 + t for t in range(128)], 1, "A", resumable=True)
+    b = e.add_request([300 + t for t in range(64)], 1, "B", resumable=True)
+    for _ in range(9):
+        e.step()
+    e.add_request([900 + t for t in range(48)], 1, "R")
+    e.step()
+    e.step()
+    e.add_request([500 + t for t in range(80)], 2, a, resumable=True)
+    e.add_request([700 + t for t in range(16)], 2, b, resumable=True)
+    for _ in range(6):
+        assert not e.step().preempted_req_ids, "freed while a store was pending"
+        if e.scheduler.requests[b].num_computed_tokens > 64:
+            break
+    else:
+        pytest.fail("B's input never ran")
+
+
+def test_a_session_once_preempted_keeps_its_blocks_with_a_connector():
+    # Freed, B could take an async CPU load; promoted after it, a request
+    # ever preempted goes to the worker as resumed, and the V1 runner would
+    # keep B's previous prompt. So B keeps its blocks, and the two wait as
+    # on the release.
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=20,
+            num_cpu_blocks=64,
+            policy="priority",
+            max_num_batched_tokens=256,
+        )
+    )
+    a = e.add_request([100 + t for t in range(120)], 1, "A", resumable=True)
+    b = e.add_request([300 + t for t in range(120)], 1, "B", resumable=True, priority=1)
+    for _ in range(3):
+        e.step()
+    e.scheduler.requests[b].num_preemptions = 1  # preempted in an earlier turn
+    e.add_request([500 + t for t in range(60)], 2, a, resumable=True, priority=0)
+    e.add_request([700 + t for t in range(60)], 2, b, resumable=True, priority=1)
+    preempted: set[str] = set()
+    for _ in range(10):
+        preempted |= set(e.step().preempted_req_ids or ())
+    assert b not in preempted
