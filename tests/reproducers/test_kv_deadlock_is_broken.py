@@ -190,3 +190,41 @@ def test_a_session_once_preempted_keeps_its_blocks_with_a_connector():
     for _ in range(10):
         preempted |= set(e.step().preempted_req_ids or ())
     assert b not in preempted
+
+
+@pytest.mark.parametrize("preempted_before", [False, True])
+def test_a_failed_load_gives_back_its_blocks_behind_a_holder(preempted_before):
+    # F's load fails whole (its blocks hold nothing it can use); session H,
+    # ahead of F in the order, idles on 40 blocks and is then given input
+    # that needs 4 more than the 3 free. F's 20 blocks would cover them:
+    # F must give them back, and H must run without losing its own KV.
+    prefix = [7000 + t for t in range(20 * BS)]
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=64,
+            num_cpu_blocks=256,
+            policy="priority",
+            kv_load_failure_policy="recompute",
+            transfer_delay=lambda is_store: 0 if is_store else 3,
+        )
+    )
+    e.add_request(prefix, max_tokens=1)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    h = e.add_request([3000 + t for t in range(40 * BS)], 1, "H", resumable=True)
+    for _ in range(8):
+        e.step()
+    if preempted_before:
+        e.scheduler.requests[h].num_preemptions = 1
+    f = e.add_request(prefix + [1] * (2 * BS), 2, "F", priority=2)
+    e.fail_next_load(f)
+    e.step()
+    e.add_request([9000 + t for t in range(5 * BS)], 1, h, resumable=True, priority=1)
+    preempted: set[str] = set()
+    for _ in range(30):
+        preempted |= set(e.step().preempted_req_ids or ())
+        if computed(e, h) > 40 * BS:
+            break
+    assert computed(e, h) > 40 * BS, "the scheduler is stuck behind a failed load"
+    assert h not in preempted
