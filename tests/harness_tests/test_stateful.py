@@ -27,6 +27,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
+    KVCacheCorruptionError,
     get_request_block_hasher,
     init_none_hash,
 )
@@ -214,12 +215,23 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.waiting: dict[str, Request] = {}
         self.ids = 0
         self.refusals = 0
+        # Allocations vLLM's own count got wrong (KVCacheCorruptionError).
+        self.wrong_counts = 0
 
     def allocate(self, req: Request, num_new: int, **kwargs) -> bool:
         """allocate_slots, with what a refusal must leave checked."""
         self.kvm.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
         before = manager_snapshot(self.kvm)
-        ok = self.kvm.allocate_slots(req, num_new, **kwargs) is not None
+        try:
+            ok = self.kvm.allocate_slots(req, num_new, **kwargs) is not None
+        except KVCacheCorruptionError:
+            # vLLM counted fewer blocks than the allocation then took, with
+            # no peer striking: 0002 says so loudly, having given back what
+            # the call took (checked below). Seen only with align-mode
+            # Mamba groups, whose count on these releases is upstream's.
+            assert not self.peer.held and "mamba_align" in self.LAYOUT
+            self.wrong_counts += 1
+            ok = False
         struck = bool(self.peer.held)
         self.peer.disarm()
         self.peer.release()
