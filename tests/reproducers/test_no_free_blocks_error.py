@@ -105,6 +105,27 @@ def test_pop_that_ends_where_the_count_disagrees_changes_nothing(miscount):
     assert queue_snapshot(queue) == before
 
 
+@pytest.mark.parametrize(
+    ("linked", "counted", "found"),
+    [(1, 2, "links only 1"), (2, 1, "links more than 1"), (0, 1, "links only 0")],
+    ids=["count-high", "count-low", "empty-list"],
+)
+def test_single_block_pop_that_disagrees_with_the_count_changes_nothing(
+    linked, counted, found
+):
+    # A pop of one block (decode's) takes a short path of its own; a list
+    # that disagrees with the count must still be reported from it, and
+    # left as it was.
+    queue, _ = make_queue(linked)
+    queue.num_free_blocks = counted
+    before = queue_snapshot(queue)
+    with pytest.raises(Exception) as info:
+        queue.popleft_n(1)
+    assert type(info.value).__name__ == "KVCacheCorruptionError", repr(info.value)
+    assert f"counts {counted} free blocks but {found}" in str(info.value)
+    assert queue_snapshot(queue) == before
+
+
 def test_pool_refusal_is_typed_and_changes_nothing():
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
     held = pool.get_new_blocks(5)
