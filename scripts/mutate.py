@@ -224,7 +224,11 @@ def try_one(
 
 
 def mutate_series(
-    series: Series, jobs: int, kinds: set[str], rerun_survivors: bool = False
+    series: Series,
+    jobs: int,
+    kinds: set[str],
+    rerun_survivors: bool = False,
+    only: list[str] | None = None,
 ) -> tuple[list[Outcome], list[OperatorMutant], list[str]]:
     version = series.base().version
     tree = WORK / f"v{version}" / "series"
@@ -238,6 +242,8 @@ def mutate_series(
     )
     tests = [*files, str(STATE_MACHINES.relative_to(ROOT))]
     hunks = hunks_of(tree, series.base().tag)
+    if only:
+        hunks = [h for h in hunks if any(f in h.patch for f in only)]
     work = OUT / f"v{version}"
     # The operator session is kept for --rerun-survivors; the rest goes.
     for old in work.glob("worktree*"):
@@ -281,6 +287,7 @@ def mutate_series(
                 series.dir,
                 work,
                 rerun_survivors,
+                only,
             )
     finally:
         for wt in worktrees:
@@ -393,6 +400,13 @@ def main() -> int:
         help="operator mutants: run again only those that survived the last "
         "run of the same series (after adding tests)",
     )
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="SUBJECT",
+        help="mutants of the patches whose subject contains this only "
+        "(repeatable), after changing a few patches",
+    )
     args = p.parse_args()
     # The default series and the newest release's, unless --series says.
     series_list = find_series(args.series)
@@ -407,7 +421,7 @@ def main() -> int:
     for series in series_list:
         print(f"==> hunks of {rel(series.dir)}", file=sys.stderr)
         outcomes, operators, part = mutate_series(
-            series, args.jobs, kinds, args.rerun_survivors
+            series, args.jobs, kinds, args.rerun_survivors, args.only
         )
         lines += [*part, ""]
         states = [o.state for o in outcomes] + [m.state for m in operators]

@@ -370,11 +370,13 @@ def run_operator_mutants(
     series_dir: Path,
     work: Path,
     rerun_survivors: bool = False,
+    only: list[str] | None = None,
 ) -> list[OperatorMutant]:
     """Run the operator mutants of the series in `tree`; with
     `rerun_survivors`, only those that survived the last run of the same
     series (the session is kept for this), the others keeping their result:
-    new tests can only kill more."""
+    new tests can only kill more. With `only` (subject fragments), only the
+    mutants of lines the matching patches wrote run."""
     bin_dir = cosmic_ray_venv()
     files = [
         f
@@ -411,6 +413,8 @@ def run_operator_mutants(
         run([bin_dir / "cr-filter-git", "--config", config, session], cwd=home)
         run([bin_dir / "cr-filter-operators", session, config], cwd=home)
         stamp.write_text(head)
+    if only:
+        skip_other_patches(session, tree, base_tag, only)
     workers = [
         subprocess.Popen(
             [str(bin_dir / "cosmic-ray"), "http-worker", "--port", str(port)],
@@ -443,6 +447,36 @@ def run_operator_mutants(
             w.terminate()
             w.wait()
     return outcomes(tree, base_tag, session)
+
+
+def skip_other_patches(
+    session: Path, tree: Path, base_tag: str, only: list[str]
+) -> None:
+    """Mark the pending mutants of lines that no patch matching `only` wrote
+    as skipped, as Cosmic Ray's own filters do, so that they neither run nor
+    count."""
+    blamed: dict[str, dict[int, str]] = {}
+    skipped = []
+    with sqlite3.connect(session) as db:
+        rows = db.execute(
+            "select job_id, module_path, start_pos_row from mutation_specs "
+            "where job_id not in (select job_id from work_results)"
+        ).fetchall()
+        for job, file, line in rows:
+            if file not in blamed:
+                blamed[file] = blame(tree, base_tag, file)
+            subject = blamed[file].get(line, "")
+            if not any(fragment in subject for fragment in only):
+                skipped.append((job,))
+        db.executemany(
+            "insert into work_results (job_id, worker_outcome, output) "
+            "values (?, 'SKIPPED', 'line of a patch not selected (--only)')",
+            skipped,
+        )
+    print(
+        f"    --only: {len(rows) - len(skipped)} of {len(rows)} mutants kept",
+        file=sys.stderr,
+    )
 
 
 def wait_for_ports(ports: list[int], timeout: float = 60.0) -> None:
