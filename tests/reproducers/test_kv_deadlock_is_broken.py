@@ -192,6 +192,25 @@ def test_a_session_once_preempted_keeps_its_blocks_with_a_connector():
     assert b not in preempted
 
 
+def test_a_session_keeps_its_blocks_under_mamba_align():
+    # The V1 runner keeps a Mamba "align" state index for each request it
+    # has run, cleared only by a step that schedules tokens or by a resume.
+    # Freed by a step that schedules nothing, a session would come back to
+    # it as a new request with the index of its old blocks: a copy from a
+    # block never written, or an index past its new block table. So under
+    # Mamba align, sessions keep their blocks and wait, as on the release.
+    e, a, b = sessions_holding_most_blocks("priority")
+    # What a model with Mamba layers in "align" cache mode sets.
+    e.scheduler.need_mamba_block_aligned_split = True
+    e.add_request([500 + t for t in range(60)], 2, a, resumable=True, priority=0)
+    e.add_request([700 + t for t in range(60)], 2, b, resumable=True, priority=1)
+    preempted: set[str] = set()
+    for _ in range(10):
+        preempted |= set(e.step().preempted_req_ids or ())
+    assert preempted == set()
+    assert computed(e, a) == computed(e, b) == 120
+
+
 @pytest.mark.parametrize("preempted_before", [False, True])
 def test_a_failed_load_gives_back_its_blocks_behind_a_holder(preempted_before):
     # F's load fails whole (its blocks hold nothing it can use); session H,
