@@ -24,11 +24,20 @@ another ref (upstream/v<release> exports onto the release, offline).
 Patches whose Upstream-Status starts with "upstream" or "backport" (the fix
 is in a later upstream release) are skipped with a line saying so.
 
+Each patch goes alone onto the ref when it applies there: one PR each. One
+that needs an earlier patch (0002 uses 0001's NoFreeBlocksError) is stacked
+on it: export tries it on each earlier exported patch's commit, newest
+first, then on all of them in series order, and the first that applies
+wins. Its PR description says it depends on those PRs (named by patch file
+and branch) and is to be merged after them; the summary says "stacked on".
+The checks compare the branch with the commit's real parent (the stacked
+one). --stack instead puts every patch on the previous ones, and also on
+the skipped backports a patch needs (on a ref older than their fix).
+
 Your branches are never overwritten: when export/<patch> exists with other
 content, the new branch is export/<patch>-2 (or -3, ...) and export says so.
-A patch that does not apply is reported with the commands to resolve it by
-hand; the others are still exported. --stack exports each patch on top of
-the previous ones, for patches that depend on each other.
+A patch that applies neither alone nor stacked is reported with the
+commands to resolve it by hand; the others are still exported.
 """
 
 from __future__ import annotations
@@ -79,6 +88,26 @@ class Exported:
     files: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     note: str = ""
+    commit: str = ""
+    # The earlier exported patches this one's commit sits on (series order):
+    # its PR depends on theirs.
+    stacked_on: list[Exported] = field(default_factory=list)
+
+    def pr_name(self) -> str:
+        """How a dependent PR names this one before it has a number."""
+        name = self.files[0].name if self.files else self.patch.name
+        return f"`{name}` (branch `{self.branch}`)"
+
+
+def stacked_line(result: Exported) -> str:
+    """What the console says of a patch stacked on earlier exported ones."""
+    under = result.stacked_on
+    prs = "that PR" if len(under) == 1 else "their PRs"
+    return (
+        "stacked on "
+        + and_list([f"{r.patch.name} ({r.branch})" for r in under])
+        + f"; its PR text says it depends on {prs}"
+    )
 
 
 def signoff_identity(tree: Path) -> str:
@@ -205,6 +234,11 @@ def issue_line(issue: str) -> str:
     return f"Fixes https://github.com/{repo}/issues/{number}"
 
 
+def and_list(items: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return " and ".join(filter(None, [", ".join(items[:-1]), items[-1]]))
+
+
 def pr_description(
     patch: Patch,
     message: str,
@@ -213,9 +247,11 @@ def pr_description(
     lint_ok: bool,
     checks: list[str] | None = None,
     figures: list[str] | None = None,
+    depends_on: list[str] | None = None,
 ) -> str:
     """A draft PR description in vLLM's template, from the patch's message;
-    `figures`: Markdown of measured results (before/after tables)."""
+    `figures`: Markdown of measured results (before/after tables);
+    `depends_on`: the PRs (named by patch file and branch) it is stacked on."""
     subject, _, body = message.partition("\n\n")
     body_paras = [
         p
@@ -224,6 +260,17 @@ def pr_description(
     ]
     issues = patch.trailers().get("Upstream-Issue", [])
     lines = [f"# {subject.strip()}", "", "## Purpose", ""]
+    if depends_on:
+        if len(depends_on) == 1:
+            pr, it, them, shows = "PR", "it", "that one", "that PR's commit"
+        else:
+            pr, it, them, shows = "PRs", "them", "those", "their commits"
+        lines += [
+            f"**Depends on** the {pr} of {and_list(depends_on)}: this change "
+            f"is stacked on {it} (it needs {it}). Please review and merge this "
+            f"PR after {them}; until then its diff also shows {shows}.",
+            "",
+        ]
     lines += ["\n\n".join(body_paras), ""]
     lines += [issue_line(i) for i in issues] + ([""] if issues else [])
     lines += ["## Test Plan", ""]
@@ -271,6 +318,7 @@ def pr_description(
             "tests/v1/simple_kv_offload). "
         )
         + f"Rebased onto {onto[:12]}"
+        + (f", on top of {and_list(depends_on)}" if depends_on else "")
         + ("; the changed files pass vLLM's ruff settings there." if lint_ok else "."),
         "",
         *(
@@ -395,6 +443,69 @@ def stack_on_backports(
     return start, commit
 
 
+def cherry_pick_chain(worktree: Path, onto: str, commits: list[str]) -> str | None:
+    """`commits` picked in order onto `onto` (fast-forwarding where a commit
+    already sits on HEAD, so an existing chain is reused as it is); the tip,
+    or None if one does not apply."""
+    git(worktree, "checkout", "-q", "--detach", onto)
+    for commit in commits:
+        if git_ok(worktree, "merge-base", "--is-ancestor", commit, "HEAD"):
+            continue
+        pick = run(["git", "-C", worktree, "cherry-pick", "--ff", commit], check=False)
+        if pick.returncode != 0:
+            run(["git", "-C", worktree, "cherry-pick", "--abort"], check=False)
+            return None
+    return git(worktree, "rev-parse", "HEAD")
+
+
+def stack_on_exported(
+    worktree: Path, onto: str, patch: Patch, earlier: list[Exported], signer: str
+) -> tuple[str, str | None, list[Exported]]:
+    """Apply `patch`, which does not apply alone on `onto`, on the earlier
+    exported patches it needs: on each one's commit, newest first (with
+    what that one is stacked on itself), then on all of them in series
+    order. The first that applies wins: the commit it went on, its commit
+    and the exported patches under it, in series order (None and [] if it
+    applies on none)."""
+    candidates: list[tuple[str | None, list[Exported]]] = [
+        (r.commit, [*r.stacked_on, r]) for r in reversed(earlier)
+    ]
+    candidates.append((None, list(earlier)))
+    tried: list[set[str]] = []
+    for head, under in candidates:
+        names = {u.patch.name for u in under}
+        if not under or names in tried:
+            continue
+        tried.append(names)
+        if head is None:
+            head = cherry_pick_chain(worktree, onto, [u.commit for u in under])
+            if head is None:
+                continue
+        else:
+            git(worktree, "checkout", "-q", "--detach", head)
+        commit = apply_one(worktree, patch, signer)
+        if commit not in (None, head):
+            return head, commit, under
+    git(worktree, "checkout", "-q", "--detach", onto)
+    return onto, None, []
+
+
+def by_hand(
+    tree: Path, patch: Patch, onto_ref: str, onto: str, base: str, hints: list[str]
+) -> str:
+    """The problem of a patch that does not apply: how to resolve it by hand
+    on `base` (a branch or commit), with `hints` on what else may help."""
+    t, branch = rel(tree), BRANCH_PREFIX + patch.name.removesuffix(".patch")
+    return (
+        f"does not apply onto {onto_ref} ({onto[:12]}). Resolve by hand:\n"
+        f"  git -C {t} checkout -b {branch} {base}\n"
+        f"  git -C {t} am -3 {rel(patch.path)}\n"
+        f"  (resolve, git am --continue, then as export does:)\n"
+        f"  git -C {t} commit --amend --reset-author --signoff"
+        + "".join(f"\n  ({h})" for h in hints)
+    )
+
+
 def export_series(
     series: Series,
     tree: Path,
@@ -410,7 +521,7 @@ def export_series(
     if not (tree / ".git").exists():
         raise ForkError(f"{rel(tree)}/ is not a git checkout: run `make apply` first")
     signer = signoff_identity(tree)
-    patches = series.patches()
+    patches = all_patches = series.patches()
     if only:
         patches = [p for p in patches if any(p.name.startswith(o) for o in only)]
         if not patches:
@@ -429,6 +540,9 @@ def export_series(
         # Backports skipped so far: with --stack, a patch written on top of
         # one (the ref predates the upstream fix) is stacked on it.
         skipped: list[Patch] = []
+        # The patches exported so far, with their commits: what a patch that
+        # does not apply alone is stacked on (with --stack: all of them).
+        exported: list[Exported] = []
         for patch in patches:
             result = Exported(patch)
             results.append(result)
@@ -442,8 +556,12 @@ def export_series(
                 git(wt, "checkout", "-q", "--detach", onto)
             # What the last patch's checks left (caches, logs) goes.
             git(wt, "clean", "-q", "-fdx")
+            # `start` is the commit's real parent: the ref, or what the patch
+            # is stacked on. The checks compare the branch with it.
             start = git(wt, "rev-parse", "HEAD")
             commit = apply_one(wt, patch, signer)
+            if stack:
+                result.stacked_on = list(exported)
             if commit is None and stack and skipped:
                 start, commit = stack_on_backports(wt, patch, skipped, signer)
                 if commit is not None:
@@ -461,17 +579,36 @@ def export_series(
                     "onto upstream's, e.g. upstream/v<release> or main)"
                 )
                 continue
+            if commit is None and not stack and exported:
+                start, commit, result.stacked_on = stack_on_exported(
+                    wt, onto, patch, exported, signer
+                )
             if commit is None:
-                t, branch = rel(tree), BRANCH_PREFIX + patch.name.removesuffix(".patch")
+                hints = []
+                if not stack and exported:
+                    hints.append(
+                        "nor does it apply stacked on the patches exported before it"
+                    )
+                if not stack and skipped:
+                    hints.append(
+                        "or try --stack: it also stacks a patch on the skipped "
+                        "backports " + ", ".join(p.name for p in skipped)
+                    )
+                earlier = all_patches[: all_patches.index(patch)]
+                if any(p not in patches and not p.is_upstream() for p in earlier):
+                    hints.append(
+                        "it may need an earlier patch that --patch leaves out: "
+                        "export that one too"
+                    )
+                base = exported[-1].branch if stack and exported else onto[:12]
                 result.problems.append(
-                    f"does not apply onto {onto_ref} ({onto[:12]}). Resolve by hand:\n"
-                    f"  git -C {t} checkout -b {branch} {onto[:12]}\n"
-                    f"  git -C {t} am -3 {rel(patch.path)}\n"
-                    f"  (resolve, git am --continue, then as export does:)\n"
-                    f"  git -C {t} commit --amend --reset-author --signoff"
-                    + ("" if stack else "\n  (or try --stack if it needs earlier ones)")
+                    by_hand(tree, patch, onto_ref, onto, base, hints)
                 )
                 continue
+            result.commit = commit
+            exported.append(result)
+            if result.stacked_on:
+                say(f"    {stacked_line(result)}")
             stem = patch.name.removesuffix(".patch")
             checks = [
                 export_checks.dco(wt, commit, signer),
@@ -485,7 +622,8 @@ def export_series(
             summaries = [c.summary for c in checks if not c.problems and c.summary]
             figures = [line for c in checks if c.figures for line in c.figures + [""]]
             figures += e2e_figures(patch, base_version)
-            result.branch, result.note = free_branch(tree, stem, commit)
+            result.branch, note = free_branch(tree, stem, commit)
+            result.note = "; ".join(filter(None, [result.note, note]))
             made = format_patches(wt, [commit], out, start=patch.number)
             desc = out / (made[0].stem + ".md")
             desc.write_text(
@@ -497,6 +635,7 @@ def export_series(
                     not result.problems,
                     summaries,
                     figures,
+                    [r.pr_name() for r in result.stacked_on],
                 )
             )
             result.files = [made[0], desc]
@@ -549,7 +688,9 @@ def main() -> int:
     p.add_argument(
         "--stack",
         action="store_true",
-        help="export each patch on top of the previous ones",
+        help="put every patch on top of the previous ones (and on the skipped "
+        "backports a patch needs); by default a patch goes alone onto the ref, "
+        "stacked only on the earlier ones it needs",
     )
     p.add_argument(
         "--no-tests",
@@ -584,7 +725,9 @@ def main() -> int:
     for r in results:
         state = "FAILED" if r.problems else ("skipped" if not r.branch else "ok")
         say(f"{state:8s} {r.patch.name}" + (f"  {r.branch}" if r.branch else ""))
-        for line in ([r.note] if r.note and r.branch else []) + r.problems:
+        notes = [stacked_line(r)] if r.stacked_on and r.branch else []
+        notes += [r.note] if r.note and r.branch else []
+        for line in notes + r.problems:
             say("         " + line.replace("\n", "\n         "))
     exported = sum(1 for r in results if r.branch)
     say(f"\n{exported} exported, {len(failed)} with problems, into {rel(args.out)}/")

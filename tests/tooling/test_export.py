@@ -103,6 +103,71 @@ def synthetic(series, tree, tmp_path) -> Series:
     return out
 
 
+FORK_A = "vllm/v1/core/fork_export_a.py"
+FORK_A_TEXT = (
+    "# SPDX-License-Identifier: Apache-2.0\n"
+    "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project\n\n"
+    + "".join(f"A{i} = {i}\n" for i in range(8))
+)
+
+
+@pytest.fixture
+def dependent(series, tree, tmp_path) -> Series:
+    """Five patches on the release: 0001 adds a file; 0002 changes it (needs
+    0001); 0003 is on its own; 0004 clashes with main whatever it is on;
+    0005 changes 0001's file and 0003's line (needs both)."""
+    base = series.base().tag
+    repo = shared_clone(tree, tmp_path / "make-dependent")
+    utils = "vllm/v1/core/kv_cache_utils.py"
+    readme = blob_text(repo, base, "README.md")
+    with_utils = blob_text(repo, base, utils) + "\n\nFORK_C = 1\n"
+    a = commit_files(
+        repo, base, {FORK_A: FORK_A_TEXT}, message("[Core] A", "A.", "not upstream")
+    )
+    b = commit_files(
+        repo,
+        a,
+        {FORK_A: FORK_A_TEXT.replace("A7 = 7", "A7 = A0 + 7")},
+        message("[Core] B on A", "Needs A.", "not upstream"),
+    )
+    c = commit_files(
+        repo, base, {utils: with_utils}, message("[Core] C", "Alone.", "not upstream")
+    )
+    d = commit_files(
+        repo,
+        base,
+        {"README.md": readme.replace(README_LINE, README_LINE + " (fork)")},
+        message("[Doc] D clashes with main", "Clashes.", "not upstream"),
+    )
+    ac = commit_files(repo, a, {utils: with_utils}, "A and C")
+    e = commit_files(
+        repo,
+        ac,
+        {
+            FORK_A: FORK_A_TEXT.replace("A0 = 0", "A0 = -1"),
+            utils: with_utils.replace("FORK_C = 1", "FORK_C = 2"),
+        },
+        message("[Core] E on A and C", "Needs A and C.", "not upstream"),
+    )
+    out = Series(tmp_path / "dependent")
+    out.dir.mkdir()
+    shutil.copyfile(series.base_file, out.base_file)
+    for n, commit in enumerate([a, b, c, d, e], 1):
+        format_patches(repo, [commit], out.dir, start=n)
+    return out
+
+
+def without(series: Series, number: str, tmp_path: Path) -> Series:
+    """A copy of `series` without the patch numbered `number`."""
+    out = Series(tmp_path / f"without-{number}")
+    out.dir.mkdir()
+    shutil.copyfile(series.base_file, out.base_file)
+    for patch in series.patches():
+        if not patch.name.startswith(number):
+            shutil.copyfile(patch.path, out.dir / patch.name)
+    return out
+
+
 def branches(repo: Path) -> list[str]:
     return git(repo, "for-each-ref", "--format=%(refname:short)", "refs/heads/").split()
 
@@ -150,6 +215,90 @@ def test_each_outcome(synthetic, upstream, work_tree, tmp_path, git_identity):
         "0001-Core-Add-a-constant.patch",
         "0003-Core-Add-a-badly-formatted-file.patch",
     ]
+
+
+def test_a_patch_that_needs_an_earlier_one_is_stacked_on_it(
+    dependent, upstream, work_tree, tmp_path, git_identity
+):
+    series = without(dependent, "0004", tmp_path)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            ROOT / "scripts" / "export.py",
+            *("--series", series.dir, "--tree", work_tree),
+            *("--onto", "main", "--upstream", upstream, "--out", out),
+            "--no-tests",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    main = git(upstream, "rev-parse", "main")
+    a, b, c, e = (f"export/{p.name.removesuffix('.patch')}" for p in series.patches())
+    parent = {x: git(work_tree, "rev-parse", f"{x}~1") for x in (a, b, c, e)}
+    assert parent[a] == main and parent[c] == main
+    assert parent[b] == git(work_tree, "rev-parse", a)
+    # E needs A and C: on neither alone, so on all the earlier ones in order.
+    assert git(work_tree, "rev-list", "--count", f"{main}..{e}") == "4"
+    assert git(work_tree, "show", f"{e}~1:{FORK_A}") == git(
+        work_tree, "show", f"{b}:{FORK_A}"
+    )
+    b_text = next(out.glob("0002-*.md")).read_text()
+    assert "**Depends on** the PR of `0001-Core-A.patch` (branch `export/0001-" in (
+        b_text
+    )
+    assert "merge this PR after that one" in b_text
+    assert ", on top of `0001-Core-A.patch`" in b_text
+    e_text = next(out.glob("0005-*.md")).read_text()
+    assert "**Depends on** the PRs of `0001-Core-A.patch`" in e_text
+    assert all(f"`{n}" in e_text for n in ("0002-Core-B", "0003-Core-C"))
+    for alone in ("0001-*.md", "0003-*.md"):
+        assert "Depends on" not in next(out.glob(alone)).read_text()
+    assert f"stacked on {series.patches()[0].name} ({a})" in proc.stderr
+    assert "4 exported, 0 with problems" in proc.stderr
+    assert "FAILED" not in proc.stderr
+
+
+def test_independent_patches_are_exported_alone(
+    dependent, upstream, work_tree, tmp_path, git_identity
+):
+    main = git(upstream, "rev-parse", "main")
+    results = export_series(
+        dependent, work_tree, "main", str(upstream), tmp_path / "o", ["0001", "0003"]
+    )
+    assert [r.patch.name[:4] for r in results] == ["0001", "0003"]
+    for r in results:
+        assert r.problems == [] and r.stacked_on == []
+        assert git(work_tree, "rev-parse", f"{r.branch}~1") == main
+        assert "Depends on" not in r.files[1].read_text()
+
+
+def test_a_patch_that_applies_neither_alone_nor_stacked(
+    dependent, upstream, work_tree, tmp_path, git_identity
+):
+    a, b, c, d, e = export_series(
+        dependent, work_tree, "main", str(upstream), tmp_path / "out"
+    )
+    assert d.branch == "" and d.files == [] and d.stacked_on == []
+    (problem,) = d.problems
+    assert problem.startswith("does not apply onto main")
+    t = str(work_tree)
+    assert f"git -C {t} checkout -b export/{d.patch.name[:-6]} " in problem
+    assert f"git -C {t} am -3 " in problem
+    assert "commit --amend --reset-author --signoff" in problem
+    assert "nor does it apply stacked on the patches exported before" in problem
+    assert "--stack" not in problem  # no skipped backport it could add
+    assert all(r.problems == [] and r.branch for r in (a, b, c, e))
+    assert b.stacked_on == [a] and e.stacked_on == [a, b, c]
+    assert not git_ok(
+        work_tree, "rev-parse", "-q", "--verify", f"export/{d.patch.name[:-6]}"
+    )
+    # Exported alone, B has nothing to stack on: --patch left A out.
+    (only_b,) = export_series(
+        dependent, work_tree, "main", str(upstream), tmp_path / "b", ["0002"]
+    )
+    assert only_b.branch == "" and "--patch leaves out" in only_b.problems[0]
 
 
 def test_keeps_an_existing_branch(
