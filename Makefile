@@ -17,7 +17,7 @@ PICK = $(if $(filter command line,$(origin VERSION)),--version $(VERSION),--seri
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-releases test-slow bench rebase \
 	rebase-continue rebase-abort matrix wheel overlay image export import soak differential \
-	mutate e2e clean
+	mutate e2e clean standin upstream-cut bisect-upstream canary
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z0-9-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -78,6 +78,20 @@ rebase-abort: ## undo the rebase in progress (the tree as it was)
 
 matrix: ## patches and reproducers on releases 0.19.0 .. 0.33.0 (.work/matrix/)
 	$(PYTHON) scripts/matrix.py --series $(SERIES) $(if $(RELEASES),--releases $(RELEASES))
+
+standin: ## a linear stand-in for upstream's history from the release sdists (.work/upstream/standin.git)
+	$(PYTHON) scripts/standin.py
+
+upstream-cut: venv ## upstream's history cut to what the reproducers need, by git filter-repo (UPSTREAM=<clone or URL>; default the stand-in)
+	$(PYTHON) scripts/upstream_cut.py $(if $(UPSTREAM),--upstream $(UPSTREAM)) $(ARGS)
+
+bisect-upstream: ## the upstream commit that fixed a patch's bug, on the cut history: make bisect-upstream PATCH=0008
+	@test -n "$(PATCH)" || { echo "usage: make bisect-upstream PATCH=<number> [SERIES=patches/v<release>]"; exit 2; }
+	$(PYTHON) scripts/bisect_upstream.py --patch $(PATCH) --series $(SERIES)
+
+canary: ## the newest series on upstream main: applies / redundant / conflicts per patch (UPSTREAM= REF=; default the stand-in's main)
+	$(PYTHON) scripts/canary.py $(if $(UPSTREAM),--upstream $(UPSTREAM)) $(if $(REF),--ref $(REF)) \
+		$(if $(filter command line environment,$(origin SERIES)),--series $(SERIES)) $(ARGS)
 
 bench: ## allocator speed: unpatched base against the series, side by side
 	$(PYTHON) scripts/bench.py --series $(SERIES)
