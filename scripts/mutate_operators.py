@@ -110,6 +110,13 @@ CLAMP = (
 )
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     (
+        "Typed KV block pool errors",
+        "if n == 1:",
+        "core/NumberReplacer",
+    ): "n == 0 returned above, so n == 0 here only turns the one-block path "
+    "off: the general path pops the same block with the same checks (the "
+    "short path is there for speed, make bench; n == 2 is killed)",
+    (
         "Pin SimpleCPUOffload CPU hits",
         "if pin is not None and pin.num_tokens > num_external_tokens:",
         "core/ReplaceComparisonOperator_Gt_GtE",

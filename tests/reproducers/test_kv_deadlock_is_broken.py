@@ -192,6 +192,46 @@ def test_a_session_once_preempted_keeps_its_blocks_with_a_connector():
     assert b not in preempted
 
 
+def test_the_freed_request_is_the_one_the_scheduler_would_take_last():
+    # Sessions X (priority 0), Y (2, arrived second) and Z (1, third) hold
+    # 8 blocks each, with a CPU offload connector; each is given 100 tokens
+    # more, 7 blocks, and 5 are free. The scan stops at X. Of the holders
+    # behind it, Y comes last in the priority order, though Z is newer; W,
+    # newest and last of all, holds no blocks and is no candidate.
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=30,
+            num_cpu_blocks=64,
+            policy="priority",
+            max_num_batched_tokens=256,
+        )
+    )
+    priority = {"X": 0, "Y": 2, "Z": 1}
+    for i, r in enumerate(priority):
+        e.add_request(
+            [100 + 200 * i + t for t in range(120)],
+            1,
+            r,
+            resumable=True,
+            priority=priority[r],
+        )
+    for _ in range(4):
+        e.step()
+    assert e.block_pool.get_num_free_blocks() == 5
+    e.add_request([900 + t for t in range(40)], 1, "W", priority=3)
+    for i, r in enumerate(priority):
+        e.add_request(
+            [1000 + 200 * i + t for t in range(100)],
+            2,
+            r,
+            resumable=True,
+            priority=priority[r],
+        )
+    assert set(e.step().preempted_req_ids or ()) == {"Y"}
+    assert computed(e, "Y") == 0 and computed(e, "Z") == 120
+
+
 def test_a_session_keeps_its_blocks_under_mamba_align():
     # The V1 runner keeps a Mamba "align" state index for each request it
     # has run, cleared only by a step that schedules tokens or by a resume.

@@ -126,6 +126,19 @@ def test_single_block_pop_that_disagrees_with_the_count_changes_nothing(
     assert queue_snapshot(queue) == before
 
 
+def test_single_block_pop_from_a_broken_head_link_is_corruption():
+    # The fake head links nothing (a broken list): no AttributeError from
+    # the short path, the same report as a pop of more blocks.
+    queue, _ = make_queue(2)
+    queue.fake_free_list_head.next_free_block = None
+    before = queue_snapshot(queue)
+    with pytest.raises(Exception) as info:
+        queue.popleft_n(1)
+    assert type(info.value).__name__ == "KVCacheCorruptionError", repr(info.value)
+    assert "counts 2 free blocks but links only 0" in str(info.value)
+    assert queue_snapshot(queue) == before
+
+
 def test_pool_refusal_is_typed_and_changes_nothing():
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
     held = pool.get_new_blocks(5)
