@@ -173,6 +173,11 @@ def bisect(
         shutil.rmtree(tree)
     tree.parent.mkdir(parents=True, exist_ok=True)
     run(["git", "clone", "-q", "--no-local", cut, tree])
+    if not git_ok(tree, "rev-parse", "-q", "--verify", "HEAD"):
+        raise ForkError(
+            f"{rel(cut)} has no HEAD branch to walk: point its HEAD at the "
+            f"branch to bisect (git -C {rel(cut)} symbolic-ref HEAD refs/heads/main)"
+        )
     probe = Probe(tree, patch.reproducers(), out / stem / "logs", **probe_args)
     step(f"{patch.name}: release bounds on {rel(cut)}")
     broken_tag, fixed_tag = release_bounds(probe, release_tags(tree), base_tag)

@@ -90,6 +90,8 @@ def build_standin(
         previous = base.version
     assert parent is not None
     git(out, "update-ref", "refs/heads/main", parent)
+    # The import repository has no branch: a clone must check main out.
+    git(out, "symbolic-ref", "HEAD", "refs/heads/main")
     return out
 
 

@@ -66,6 +66,8 @@ def test_the_standin_is_one_linear_commit_per_release(five, tmp_path):
         "vLLM 9.9.9",
     ]
     assert git(out, "rev-parse", "v9.9.10^") == git(out, "rev-parse", "v9.9.9")
+    # A clone checks main out.
+    assert git(out, "symbolic-ref", "HEAD") == "refs/heads/main"
     assert git(out, "show", "v9.9.10:vllm/v1/core/new.py") == "x = 1"
     # The same sdists give the same history.
     again = build_standin(tmp_path / "again.git", both, five.cache)
