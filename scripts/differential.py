@@ -56,8 +56,8 @@ from typing import Any
 from apply import apply_series, checkout_base
 from common import DEFAULT_SERIES, ROOT, WORK, main_guard, parser, rel
 from series import Series, find_series, version_key
-from soak import Worker
 from venv import release_venv, series_venv
+from worker_client import Worker
 
 OUT = WORK / "differential"
 # Trace families (tests/harness/traces.py): general traces, and the CPU

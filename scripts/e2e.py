@@ -44,6 +44,7 @@ from e2e_judge import Row, Scenario, judge, named_reproducers, verdict
 from e2e_server import Server, read_json_lines
 
 from common import ROOT, WORK, ForkError, main_guard, parser, rel, run, say, step
+from release_trees import prepare
 from series import Series, default_and_newest, find_series
 
 OUT = WORK / "e2e"
@@ -312,7 +313,6 @@ def run_targets(
 
 
 def default_targets(short: bool, releases: list[str] | None) -> Iterator[Target]:
-    from run_tests import prepare
     from venv import series_venv
 
     # Every release named, else the default one and the newest.

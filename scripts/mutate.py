@@ -10,8 +10,9 @@ fails, or, when none does, when the differential oracle finds it changing
 what the base does where no patch says so (40 traces). A hunk whose revert
 leaves the code's syntax tree unchanged (comments, docstrings) is
 equivalent and not run; so is a hunk listed in
-EQUIVALENT, with the reason it cannot change behaviour. A hunk that a later
-patch rewrote does not revert alone: it is reported as not separable.
+scripts/data/equivalent_hunks.toml, with the reason it cannot change
+behaviour. A hunk that a later patch rewrote does not revert alone: it is
+reported as not separable.
 
 Then the operator mutants of the lines the series wrote (a condition
 negated or loosened, a boundary moved by one, a loop that never runs), made
@@ -53,9 +54,11 @@ from common import (
     run,
 )
 from mutate_operators import (
+    DATA,
     OperatorMutant,
     differential_command,
     is_mutation_subject,
+    load_claims,
     run_operator_mutants,
 )
 from series import Series, default_and_newest, find_series
@@ -67,36 +70,7 @@ REPRODUCERS = ROOT / "tests" / "reproducers"
 STATE_MACHINES = ROOT / "tests" / "harness_tests" / "test_stateful.py"
 # Hunks that cannot change behaviour, by patch subject fragment and a line
 # the hunk adds or removes (exactly, indentation included), with the reason.
-EQUIVALENT: dict[tuple[str, str], str] = {
-    (
-        "allocate_slots: give back everything",
-        "            self._last_allocation: _MambaAlignAllocation | None = None",
-    ): "only read by free_new_blocks after an align allocation assigned it",
-    (
-        "allocate_slots: give back everything",
-        "        return False",
-    ): "0.20.2: the cross-attention group's registration flag; its caller "
-    "(the coordinator) only tests it for truth, and None is false too",
-    (
-        "allocate_slots: give back everything",
-        "            return False",
-    ): "0.33.0: allocate_slots only tests the coordinator's registration "
-    "flag for truth, and None is false too",
-    (
-        "Store the final blocks of a request",
-        "        return bool(self._store_event_to_blocks or self._finish_flushes)",
-    ): "0.20.2: nothing calls the connector's has_pending_stores",
-    (
-        "touch every group's prefix hits",
-        "        num_skipped_tokens = self.get_num_skipped_tokens(",
-    ): "the clamp of the skipped external tokens only gates "
-    "num_external_computed_tokens > 0, which the clamp cannot change",
-    (
-        "touch every group's prefix hits",
-        "        return True",
-    ): "0.20.2: the return value of allocate_external_computed_blocks, where "
-    "the revert puts it back, is not used",
-}
+EQUIVALENT = load_claims(DATA / "equivalent_hunks.toml", ("patch", "line"))
 
 
 @dataclass

@@ -13,8 +13,9 @@ run at once; a mutant the suite does not kill then faces the differential
 oracle (DIFFERENTIAL_SEEDS traces against the base). Each mutant is then
 attributed to the patch that wrote its line (`git blame`).
 
-A mutant that cannot change behaviour is listed in EQUIVALENT (patch, the
-mutated line, operator) with the reason, and not counted.
+A mutant that cannot change behaviour is listed in
+scripts/data/equivalent_operators.toml (patch, the mutated line, operator)
+with the reason, and not counted.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import sqlite3
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import ROOT, WORK, ForkError, free_port, git, run
+from common import ROOT, WORK, ForkError, free_port, git, rel, run
 from testenv import tree_env
 
 COSMIC_RAY = "cosmic-ray==8.7.0"
@@ -84,213 +86,33 @@ def differential_command(series_dir: Path, tree: str, out: str) -> list[str]:
     ]
 
 
+# The mutants and hunks that cannot change behaviour, with the reason: data,
+# not code (one [[claim]] table per mutant or hunk).
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def load_claims(path: Path, fields: tuple[str, ...]) -> dict[tuple[str, ...], str]:
+    """The claims of `path`, `fields` -> why, in the file's order: the first
+    claim that matches a mutant explains it."""
+    claims: dict[tuple[str, ...], str] = {}
+    for n, claim in enumerate(tomllib.loads(path.read_text())["claim"], 1):
+        if sorted(claim) != sorted((*fields, "why")):
+            raise ForkError(
+                f"{rel(path)}: claim {n} has {', '.join(claim)}, "
+                f"not {', '.join(fields)}, why"
+            )
+        key = tuple(claim[f] for f in fields)
+        if key in claims:
+            raise ForkError(f"{rel(path)}: claim {n} repeats an earlier one")
+        claims[key] = claim["why"]
+    return claims
+
+
 # (patch subject fragment, the mutated line stripped, operator) -> why the
 # mutant cannot change behaviour.
-PREFILL_ENDS = (
-    "a request whose chunk ends its prefill would be in the set only until "
-    "_update_after_schedule at the end of the same schedule(), and it holds "
-    "the blocks of its whole prompt by then, so it reserves none meanwhile"
+EQUIVALENT = load_claims(
+    DATA / "equivalent_operators.toml", ("patch", "line", "operator")
 )
-TAIL_SPECIAL_CASE = (
-    "linking the fake tail back as the last popped block, then None after it, "
-    "is what the special case does (it is redundant: a follow-up)"
-)
-EXTERNAL_LATER = (
-    "with the external-token blocks not taken here, allocate_slots's "
-    "allocate_new_blocks takes them next: the same number from the same free "
-    "queue, after every group touched its hits (0007's order holds), refused "
-    "and given back the same way; only which block ids each group gets "
-    "differs, and nothing depends on ids"
-)
-CLAMP = (
-    "the clamped count is only tested for > 0 below: it is positive exactly "
-    "when some computed token is not skipped, with or without the clamp (a "
-    "window keeps the last token; all-skipped tokens are null padding and "
-    "leave no block to allocate)"
-)
-EQUIVALENT: dict[tuple[str, str, str], str] = {
-    (
-        "Typed KV block pool errors",
-        "if n == 1:",
-        "core/NumberReplacer",
-    ): "n == 0 returned above, so n == 0 here only turns the one-block path "
-    "off: the general path pops the same block with the same checks (the "
-    "short path is there for speed, make bench; n == 2 is killed)",
-    (
-        "Pin SimpleCPUOffload CPU hits",
-        "if pin is not None and pin.num_tokens > num_external_tokens:",
-        "core/ReplaceComparisonOperator_Gt_GtE",
-    ): "equal counts returned the pin two lines above; > and >= differ only there",
-    (
-        "admit an async KV load",
-        "if num_computed_tokens + num_new_tokens < request.num_tokens:",
-        "core/ReplaceComparisonOperator_Lt_LtE",
-    ): PREFILL_ENDS,
-    (
-        "admit an async KV load",
-        "if num_computed_tokens + num_new_tokens < request.num_tokens:",
-        "core/ReplaceBinaryOperator_Add_Sub",
-    ): PREFILL_ENDS,
-    (
-        "admit an async KV load",
-        "num_encoder_tokens=0,",
-        "core/NumberReplacer",
-    ): "an in-flight prefill was scheduled, so it holds every cross-attention "
-    "block (taken whole at its first step) and counts as running there: any "
-    "encoder count from -1 to 1 asks max(..., 0) = 0 more blocks",
-    (
-        "touch every group's prefix hits",
-        "if num_skipped_tokens // self.block_size > 0:",
-        "core/ReplaceComparisonOperator_Gt_GtE",
-    ): CLAMP,
-    (
-        "touch every group's prefix hits",
-        "num_total_computed_tokens - num_skipped_tokens,",
-        "core/ReplaceBinaryOperator_Sub_Add",
-    ): CLAMP,
-    **{
-        ("touch every group's prefix hits", src, op): why
-        for src, op, why in [
-            ("if num_skipped_tokens // self.block_size > 0:", "core/AddNot", CLAMP),
-            (
-                "if num_skipped_tokens // self.block_size > 0:",
-                "core/NumberReplacer",
-                CLAMP,
-            ),
-            ("if num_external_computed_tokens > 0:", "core/AddNot", EXTERNAL_LATER),
-            (
-                "if num_external_computed_tokens > 0:",
-                "core/NumberReplacer",
-                "> -1 runs the step for 0 external tokens, which takes no block; "
-                "> 1 leaves a single external token's block to allocate_slots: "
-                + EXTERNAL_LATER,
-            ),
-            (
-                "if num_external_computed_tokens > 0:",
-                "core/ReplaceComparisonOperator_Gt_GtE",
-                "with 0 external tokens every group's step takes no block",
-            ),
-            (
-                "for group, (manager, fresh) in enumerate(",
-                "core/ZeroIterationForLoop",
-                EXTERNAL_LATER,
-            ),
-            (
-                "group = 0",
-                "core/NumberReplacer",
-                "enumerate() sets group before anything in the loop can raise; "
-                "the first value is never read",
-            ),
-        ]
-    },
-    (
-        "allocate_slots: give back everything",
-        "or num_external_computed_tokens > 0",
-        "core/ReplaceComparisonOperator_Gt_GtE",
-    ): "upstream's condition, which 0002 only indents into its try: with >= "
-    "every call registers the request, and a request it registers only now "
-    "(no hit, no external token) gets no block and num_cached_block 0, the "
-    "default cache_blocks reads; a refusal frees that registration again",
-    (
-        "allocate_slots: give back everything",
-        "or num_external_computed_tokens > 0",
-        "core/NumberReplacer",
-    ): "0.20.2: > -1 is >= 0, see the ReplaceComparisonOperator claim; > 1 "
-    "leaves a single external token's block to allocate_new_blocks, which "
-    "takes it next (on 0.33.0 a test kills both: that block gets zeroed)",
-    (
-        "allocate_slots: give back everything",
-        "num_blocks=-1 if req_blocks is None else len(req_blocks),",
-        "core/NumberReplacer",
-    ): "0.33.0: any negative count marks a request that had no entry; the undo "
-    "reads it only as < 0 and as max(num_blocks, 0)",
-    (
-        "allocate_slots: give back everything",
-        "if mark.num_blocks < 0 and not self.req_to_blocks.get(request_id):",
-        "core/NumberReplacer",
-    ): "0.33.0: < 1 also drops the entry of a request that held no block, "
-    "< -1 drops none: either way only an empty list, and req_to_blocks is a "
-    "defaultdict (an empty entry and none read the same)",
-    (
-        "allocate_slots: give back everything",
-        "if mark.num_blocks < 0 and not self.req_to_blocks.get(request_id):",
-        "core/ReplaceAndWithOr",
-    ): "0.33.0: a request with no entry before has its list cut back to empty "
-    "just above, so only an empty list is ever dropped, and req_to_blocks is "
-    "a defaultdict: an empty entry and none read the same",
-    (
-        "allocate_slots: give back everything",
-        "i = 0",
-        "core/NumberReplacer",
-    ): "0.33.0: enumerate() sets i before anything in the loop can raise; the "
-    "first value is never read",
-    (
-        "store only blocks that still",
-        "if block_idx >= len(resolved_hashes):",
-        "core/ReplaceComparisonOperator_GtE_Gt",
-    ): "0.33.0: the scan asks only for confirmed full blocks, and the request "
-    "holds a hash for each of them, so block_idx < len(resolved_hashes)",
-    (
-        "store only blocks that still",
-        "return False",
-        "core/ReplaceFalseWithTrue",
-    ): "0.33.0: the guard's return for a block past the request's hashes, "
-    "which the scan never asks about (see the GtE_Gt claim)",
-    (
-        "allocate_slots: give back everything",
-        "tail_start = max(0, prev_block_len - self.num_speculative_blocks)",
-        "core/NumberReplacer",
-    ): "align mode moves the speculative tail only of a request it allocated "
-    "before, which holds at least 1 + num_speculative_blocks blocks, so the "
-    "difference is at least 1 there and max(0, .) = max(1, .); a request not "
-    "allocated before has nothing below prev_block_len moved, so restoring "
-    "one position fewer changes nothing",
-    (
-        "allocate_slots: give back everything",
-        "if not req_blocks and request_id not in self.num_cached_block:",
-        "core/ReplaceAndWithOr",
-    ): "the undo runs for registered requests (in num_cached_block), so the "
-    "two differ only for an empty list, and req_to_blocks is a defaultdict "
-    "that every reader indexes, .get()s or .pop()s with a default: an empty "
-    "entry and none read the same",
-    (
-        "Store the final blocks of a request",
-        "if block_ids and not store_state.finished:",
-        "core/ReplaceAndWithOr",
-    ): "the scheduler finishes a request once, so its store state is not "
-    "finished yet here; with no block ids the flush scans nothing and "
-    "queues nothing",
-    (
-        "Store the final blocks of a request",
-        "break",
-        "core/ReplaceBreakWithContinue",
-    ): "the flush's stop at an unhashed block: "
-    "cache_blocks hashes a group's blocks in order, so the hashed ones are "
-    "a prefix of the request's blocks (nulls aside, which are skipped "
-    "before): after an unhashed block every later one is unhashed too, and "
-    "continuing past it adds nothing",
-    (
-        "Store the final blocks of a request",
-        "return bool(self._store_event_to_blocks or self._finish_flushes)",
-        "core/ReplaceOrWithAnd",
-    ): "0.20.2: nothing calls the connector's has_pending_stores",
-    (
-        "Store the final blocks of a request",
-        "return self._finish_request(request, (block_ids,) if block_ids else ())",
-        "core/AddNot",
-    ): "the scheduler calls request_finished_all_groups, not request_finished, "
-    "for a connector that supports HMA, as SimpleCPUOffloadConnector does",
-    (
-        "Typed KV block pool errors",
-        "if popped and popped[-1] is self.fake_free_list_tail:",
-        "core/AddNot",
-    ): TAIL_SPECIAL_CASE,
-    (
-        "Typed KV block pool errors",
-        "if popped and popped[-1] is self.fake_free_list_tail:",
-        "core/NumberReplacer",
-    ): TAIL_SPECIAL_CASE,
-}
 
 
 @dataclass

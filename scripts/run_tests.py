@@ -38,7 +38,6 @@ from typing import Any
 import e2e
 
 import differential as differential_oracle
-from apply import apply_series, checkout_base
 from common import (
     ROOT,
     WORK,
@@ -52,6 +51,7 @@ from common import (
 )
 from common import run as run_cmd
 from refresh import refresh_series
+from release_trees import Trees, prepare
 from series import TRACKED_PATHS, Series, default_and_newest, find_series
 from testenv import count, read_junit, run_pytest
 from venv import VENV, ensure_venv, release_venv
@@ -70,23 +70,6 @@ class Result:
     ok: bool
     detail: str
     seconds: float
-
-
-@dataclass
-class Trees:
-    series: Series
-    version: str
-    base: Path
-    patched: Path
-
-
-def prepare(series: Series) -> Trees:
-    version = series.base().version
-    work = WORK / f"v{version}"
-    base_tree, patched = work / "base", work / "series"
-    checkout_base(series, base_tree)
-    apply_series(series, patched)
-    return Trees(series, version, base_tree, patched)
 
 
 def summarize(outcomes: dict[str, str]) -> str:

@@ -31,17 +31,17 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import differential
 from apply import apply_series, checkout_base
 from common import DEFAULT_SERIES, ROOT, WORK, ForkError, main_guard, parser, rel
 from series import Series
-from testenv import tree_env
 from venv import series_venv
+from worker_client import Worker, worker_env
 
 WORKLOADS = [
     "seed000-hybrid-eager",
@@ -67,84 +67,6 @@ PROBLEMS = (
 )
 # Silent problems: the run goes on (used to tell which runs the base survived).
 SILENT = ("unordered_stores", "lost_cpu_blocks")
-
-
-def worker_env(tree: Path) -> dict[str, str]:
-    env = tree_env(tree)
-    env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests")
-    env["VLLM_LOGGING_LEVEL"] = "ERROR"
-    return env
-
-
-class Worker:
-    """One `--serve` process of a harness module on one tree: it answers one
-    JSON line per request line (harness.soak_worker: a run per call)."""
-
-    def __init__(
-        self,
-        python: Path,
-        tree: Path,
-        name: str,
-        seed: int,
-        module: str = "harness.soak_worker",
-        log_dir: Path = OUT,
-    ):
-        self.name = name
-        # Set iteration order depends on the hash seed, and vLLM iterates
-        # sets of block hashes: without a fixed one a seed does not replay.
-        env = {**os.environ, **worker_env(tree), "PYTHONHASHSEED": str(seed % 2**32)}
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"worker-{name}.log"
-        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [str(python), "-m", module, "--serve"],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-
-    def send(self, line: str) -> None:
-        """Ask without waiting (`receive` gets the answer): the workers of
-        both trees then work at once."""
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass
-
-    def receive(self, what: str, timeout: float) -> dict:
-        assert self.proc.stdout is not None
-        killer = threading.Timer(timeout, self.proc.kill)
-        killer.start()
-        try:
-            line = self.proc.stdout.readline()
-        finally:
-            killer.cancel()
-        if not line:
-            self.proc.wait()
-            why = "timed out" if self.proc.returncode == -9 else "exited"
-            raise ForkError(
-                f"worker on {self.name} {why} in {what} (--timeout {timeout:g}); "
-                f"see {rel(self.log_path)}"
-            )
-        return json.loads(line)
-
-    def run(
-        self, workload: str, seed: int, scale: int, timeout: float, timing: bool = False
-    ) -> dict:
-        flags = " timing" if timing else ""
-        self.send(f"{workload} {seed} {scale}{flags}")
-        return self.receive(f"{workload} seed {seed}", timeout)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait()
-        self.log.close()
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -388,8 +310,6 @@ def differential_run(
     python: Path, trees: dict[str, Path], series: Series, seeds: range
 ) -> tuple[bool, str]:
     """The differential oracle's long run: base and series step by step."""
-    import differential  # it uses this module's Worker
-
     verdicts, lines = differential.run_traces(
         python,
         trees["base"],
@@ -536,7 +456,10 @@ def main() -> int:
     def start_workers(timing: bool = False) -> dict[str, Worker]:
         # --calibrate: the base timed against itself, as if it were the series.
         use = {**trees, "series": trees["base"]} if timing and args.calibrate else trees
-        return {name: Worker(python, tree, name, seed) for name, tree in use.items()}
+        return {
+            name: Worker(python, tree, name, seed, log_dir=OUT)
+            for name, tree in use.items()
+        }
 
     workers = start_workers()
     try:
