@@ -134,10 +134,26 @@ def test_a_freed_session_finds_only_its_own_prefix():
     assert e.runner.violations == []
 
 
-def test_nothing_is_freed_while_a_store_can_give_blocks_back():
+class WrappedLikeMultiConnector:
+    """The connector as a MultiConnector of 0.19.0-0.29.0 shows it: it wraps
+    the real one (in `_connectors`) and forwards no has_pending_* hook."""
+
+    def __init__(self, inner):
+        self._connectors = [inner]
+        self._inner = inner
+
+    def __getattr__(self, name):
+        if name.startswith("has_pending_"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["alone", "in-multi"])
+def test_nothing_is_freed_while_a_store_can_give_blocks_back(wrapped):
     # Lazy offload: R's blocks are stored on eviction and held until the
     # store completes (3 steps). A session waits for blocks meanwhile: the
-    # scheduler waits for the store rather than freeing the other's KV.
+    # scheduler waits for the store rather than freeing the other's KV,
+    # also when the offload connector is wrapped in a MultiConnector.
     e = Engine(
         HarnessConfig(
             block_size=BS,
@@ -148,6 +164,8 @@ def test_nothing_is_freed_while_a_store_can_give_blocks_back():
             transfer_delay=lambda is_store: 3 if is_store else 0,
         )
     )
+    if wrapped:
+        e.scheduler.connector = WrappedLikeMultiConnector(e.scheduler.connector)
     a = e.add_request([100 + t for t in range(128)], 1, "A", resumable=True)
     b = e.add_request([300 + t for t in range(64)], 1, "B", resumable=True)
     for _ in range(9):
