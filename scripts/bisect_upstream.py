@@ -58,6 +58,7 @@ OUT = WORK / "upstream" / "bisect"
 # git bisect run: 0 = the old state (still broken), 1 = the new (fixed),
 # 125 = cannot tell at this commit.
 BROKEN, FIXED, SKIP = 0, 1, 125
+SAID = {"passes": "pass", "fails": "fail", "broken": "cannot run"}
 
 
 @dataclass
@@ -126,17 +127,17 @@ def release_bounds(probe: Probe, tags: list[str], base_tag: str) -> tuple[str, s
         if i not in verdicts:
             git(probe.tree, "checkout", "-q", "--detach", tags[i])
             verdicts[i] = probe.verdict(tags[i])
-            say(f"    {tags[i]}: the reproducers {verdicts[i]}")
+            say(f"    {tags[i]}: the reproducers {SAID[verdicts[i]]}")
         return verdicts[i]
 
     if at(lo) != "fails":
         raise ForkError(
-            f"the reproducers {verdicts[lo]} on {tags[lo]}, the series' base; "
+            f"the reproducers {SAID[verdicts[lo]]} on {tags[lo]}, the series' base; "
             f"they must fail there (see {rel(probe.logs)}/)"
         )
     if at(hi) != "passes":
         raise ForkError(
-            f"the reproducers {verdicts[hi]} on {tags[hi]}, the newest release "
+            f"the reproducers {SAID[verdicts[hi]]} on {tags[hi]}, the newest release "
             "tag of the cut: not fixed upstream there, nothing to bisect"
         )
     while hi - lo > 1:
@@ -245,7 +246,7 @@ def probe_main(args: argparse.Namespace) -> int:
     probe = Probe(Path.cwd(), args.test, args.logs, args.repro_root, args.python)
     head = git(probe.tree, "rev-parse", "--short=12", "HEAD")
     verdict = probe.verdict(head)
-    say(f"    {head}: the reproducers {verdict}")
+    say(f"    {head}: the reproducers {SAID[verdict]}")
     return {"passes": FIXED, "fails": BROKEN}.get(verdict, SKIP)
 
 

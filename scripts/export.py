@@ -42,12 +42,8 @@ commands to resolve it by hand; the others are still exported.
 
 from __future__ import annotations
 
-import ast
-import json
-import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import export_checks
@@ -57,7 +53,6 @@ from common import (
     DEFAULT_SERIES,
     DEFAULT_TREE,
     DIST,
-    ROOT,
     WORK,
     ForkError,
     fresh_output_dir,
@@ -70,33 +65,18 @@ from common import (
     say,
     step,
 )
+from export_pr import and_list, e2e_figures, pr_description
+from export_stack import Exported, apply_one, stack_on_backports, stack_on_exported
 from refresh import format_patches
-from series import FORK_TRAILERS, TRAILER_RE, Patch, Series, find_series
+from series import Patch, Series, find_series
 from venv import TEST_REQS, VENV, pip_install, release_venv
 
+# This module is the CLI and the loop over the series (`export_series`):
+# the branches, the files and the checks. The PR text is made by export_pr,
+# the commits (alone or stacked) by export_stack, the checks by
+# export_checks.
+
 BRANCH_PREFIX = "export/"
-# make e2e's runs as data (make test's short run: e2e-short.json).
-E2E_RECORDS = (WORK / "e2e" / "e2e.json", WORK / "e2e" / "e2e-short.json")
-ISSUE_RE = re.compile(r"^(?:([\w.-]+/[\w.-]+))?#(\d+)$")
-UPSTREAM_REPO = "vllm-project/vllm"
-
-
-@dataclass
-class Exported:
-    patch: Patch
-    branch: str = ""
-    files: list[Path] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    note: str = ""
-    commit: str = ""
-    # The earlier exported patches this one's commit sits on (series order):
-    # its PR depends on theirs.
-    stacked_on: list[Exported] = field(default_factory=list)
-
-    def pr_name(self) -> str:
-        """How a dependent PR names this one before it has a number."""
-        name = self.files[0].name if self.files else self.patch.name
-        return f"`{name}` (branch `{self.branch}`)"
 
 
 def stacked_line(result: Exported) -> str:
@@ -154,35 +134,6 @@ def resolve_onto(tree: Path, onto: str, upstream: str | None) -> str:
     return git(tree, "rev-parse", "FETCH_HEAD^{commit}")
 
 
-def upstream_message(
-    message: str, signer: str, tree: Path, author: str | None = None
-) -> str:
-    """The commit message for upstream: fork trailers out, sign-off in, and
-    the patch's author credited as co-author when someone else exports it."""
-    paragraphs = message.rstrip().split("\n\n")
-    last = [
-        line
-        for line in paragraphs[-1].splitlines()
-        if not ((m := TRAILER_RE.match(line.strip())) and m.group(1) in FORK_TRAILERS)
-    ]
-    paragraphs[-1] = "\n".join(last)
-    text = "\n\n".join(p for p in paragraphs if p.strip()) + "\n"
-    trailers = [f"Signed-off-by: {signer}"]
-    if author and author != signer:
-        trailers.insert(0, f"Co-authored-by: {author}")
-    args = [a for t in trailers for a in ("--trailer", t)]
-    return git(
-        tree,
-        "interpret-trailers",
-        "--where",
-        "end",
-        "--if-exists",
-        "addIfDifferent",
-        *args,
-        input=text,
-    )
-
-
 def free_branch(tree: Path, name: str, commit: str) -> tuple[str, str]:
     """A branch name to put `commit` on that clobbers nothing, and a note."""
     branch = BRANCH_PREFIX + name
@@ -206,288 +157,6 @@ def free_branch(tree: Path, name: str, commit: str) -> tuple[str, str]:
             f"this export is {branch}"
         )
     return branch, note
-
-
-def test_source(test_id: str) -> str | None:
-    """Source of a reproducer test named `file::name` (or file::Class::name)."""
-    file, _, name = test_id.partition("::")
-    path = ROOT / file
-    if not path.is_file():
-        return None
-    text = path.read_text()
-    want = name.split("::")[-1].split("[")[0]
-    for node in ast.walk(ast.parse(text)):
-        is_def = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        if is_def and node.name == want:
-            first = min([d.lineno for d in node.decorator_list] + [node.lineno])
-            return "\n".join(text.splitlines()[first - 1 : node.end_lineno])
-    return None
-
-
-def issue_line(issue: str) -> str:
-    m = ISSUE_RE.match(issue.strip())
-    if not m:
-        return f"Fixes {issue}"
-    repo, number = m.group(1) or UPSTREAM_REPO, m.group(2)
-    if repo == UPSTREAM_REPO:
-        return f"FIX #{number}"
-    return f"Fixes https://github.com/{repo}/issues/{number}"
-
-
-def and_list(items: list[str]) -> str:
-    """`a`, `a and b`, `a, b and c`."""
-    return " and ".join(filter(None, [", ".join(items[:-1]), items[-1]]))
-
-
-def pr_description(
-    patch: Patch,
-    message: str,
-    base_version: str,
-    onto: str,
-    lint_ok: bool,
-    checks: list[str] | None = None,
-    figures: list[str] | None = None,
-    depends_on: list[str] | None = None,
-) -> str:
-    """A draft PR description in vLLM's template, from the patch's message;
-    `figures`: Markdown of measured results (before/after tables);
-    `depends_on`: the PRs (named by patch file and branch) it is stacked on."""
-    subject, _, body = message.partition("\n\n")
-    body_paras = [
-        p
-        for p in body.rstrip().split("\n\n")
-        if not all(TRAILER_RE.match(line.strip()) for line in p.splitlines())
-    ]
-    issues = patch.trailers().get("Upstream-Issue", [])
-    lines = [f"# {subject.strip()}", "", "## Purpose", ""]
-    if depends_on:
-        if len(depends_on) == 1:
-            pr, it, them, shows = "PR", "it", "that one", "that PR's commit"
-        else:
-            pr, it, them, shows = "PRs", "them", "those", "their commits"
-        lines += [
-            f"**Depends on** the {pr} of {and_list(depends_on)}: this change "
-            f"is stacked on {it} (it needs {it}). Please review and merge this "
-            f"PR after {them}; until then its diff also shows {shows}.",
-            "",
-        ]
-    lines += ["\n\n".join(body_paras), ""]
-    lines += [issue_line(i) for i in issues] + ([""] if issues else [])
-    lines += ["## Test Plan", ""]
-    tests = patch.reproducers()
-    if tests:
-        lines += [
-            "The reproducer from the vllm-fork patch series (its own test "
-            "harness, driving vLLM's real scheduler; the deeper proof beside "
-            "the tests this change adds under tests/, if any):",
-            "",
-        ]
-        lines += [f"- `{t}`" for t in tests]
-        lines += [
-            "",
-            "```bash",
-            "# in a vllm-fork checkout, against a vLLM tree with this change:",
-            f"pytest {' '.join(tests)}",
-            "```",
-            "",
-        ]
-        for t in tests:
-            source = test_source(t)
-            if source:
-                lines += [
-                    "<details>",
-                    f"<summary><code>{t}</code></summary>",
-                    "",
-                    "```python",
-                    source.rstrip(),
-                    "```",
-                    "</details>",
-                    "",
-                ]
-    else:
-        lines += ["(The patch names no reproducer test.)", ""]
-    lines += [
-        "## Test Result",
-        "",
-        (
-            ""
-            if figures
-            else f"On vLLM {base_version}, the fork's base, the reproducer fails "
-            "without this change and passes with it (checked by vllm-fork's "
-            "`make test`, together with tests/v1/core and "
-            "tests/v1/simple_kv_offload). "
-        )
-        + f"Rebased onto {onto[:12]}"
-        + (f", on top of {and_list(depends_on)}" if depends_on else "")
-        + ("; the changed files pass vLLM's ruff settings there." if lint_ok else "."),
-        "",
-        *(
-            ["Checked on the exported branch, as vLLM's pre-commit and CI would:", ""]
-            + [f"- {c}" for c in checks]
-            + [""]
-            if checks
-            else []
-        ),
-        *((figures + [""]) if figures else []),
-        "---",
-        "<details>",
-        "<summary> Essential Elements of an Effective PR Description Checklist "
-        "</summary>",
-        "",
-        '- [x] The purpose of the PR, such as "Fix some issue (link existing '
-        'issues this PR will resolve)".',
-        "- [x] The test plan, such as providing test command.",
-        f"- [{'x' if figures else ' '}] The test results, such as pasting the "
-        "results comparison before and after, or e2e results",
-        "- [ ] (Optional) The necessary documentation update.",
-        "</details>",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def e2e_figures(patch: Patch, release: str) -> list[str]:
-    """The last end-to-end runs (make e2e, else make test's short one) of the
-    scenarios this patch's reproducers stand for, on `release`: the bare
-    release against the fork's whole series, this patch among it."""
-    path = next((p for p in E2E_RECORDS if p.exists()), None)
-    if path is None:
-        return []
-    named = {t.removeprefix("tests/reproducers/") for t in patch.reproducers()}
-    rows = [
-        r
-        for r in json.loads(path.read_text())
-        if r["release"] == release and r["reproducer"] in named
-    ]
-    if not rows:
-        return []
-    lines = [
-        f"End to end: vLLM {release}'s real `vllm serve` on a CPU, with "
-        "vllm-fork's model-free worker, driven by the `openai` client "
-        f"(vllm-fork's `make e2e`, {rel(path)}). The bare release, and the "
-        "release with the fork's whole series (this change among it):",
-        "",
-        "| scenario | vLLM | requests | answered | closed by client | errors "
-        "| engine after | preemptions | peer strikes | CPU hit tokens |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
-    ]
-    for r in sorted(rows, key=lambda r: (r["scenario"], r["kind"])):
-        engine = "alive" if r["alive"] else f"dead: `{r['exception']}`"
-        hits = "/".join(map(str, r["cpu_hits"])) if r["cpu_hits"] else "-"
-        strikes = "-" if r["peer_strikes"] is None else str(r["peer_strikes"])
-        preempted = "-" if r["preemptions"] is None else f"{r['preemptions']:.0f}"
-        who = "bare release" if r["kind"] == "base" else "with the series"
-        lines.append(
-            f"| {r['scenario']} | {who} | {r['sent']} | {r['ok']} "
-            f"| {r.get('cancelled', '-')} | {r['errors']} | {engine} | {preempted} "
-            f"| {strikes} | {hits} |"
-        )
-    return lines
-
-
-def apply_one(worktree: Path, patch: Patch, signer: str) -> str | None:
-    """Apply `patch` at the worktree's HEAD and sign it off; None if it
-    fails. The HEAD it started from when the change is already there."""
-    before = git(worktree, "rev-parse", "HEAD")
-    am = run(
-        ["git", "-C", worktree, "am", "-q", "-3", "--keep-non-patch", patch.path],
-        check=False,
-    )
-    if am.returncode != 0:
-        run(["git", "-C", worktree, "am", "--abort"], check=False)
-        return None
-    if git(worktree, "rev-parse", "HEAD") == before:
-        return before
-    author = git(worktree, "log", "-1", "--format=%an <%ae>")
-    message = upstream_message(
-        git(worktree, "log", "-1", "--format=%B"), signer, worktree, author
-    )
-    # The signer as author, whatever GIT_AUTHOR_* the caller has set.
-    name, email = signer[:-1].split(" <", 1)
-    run(
-        [
-            "git",
-            "-C",
-            worktree,
-            "commit",
-            "-q",
-            "--amend",
-            "--no-verify",
-            "--reset-author",
-            "-F",
-            "-",
-        ],
-        env={"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email},
-        input=message,
-    )
-    return git(worktree, "rev-parse", "HEAD")
-
-
-def stack_on_backports(
-    worktree: Path, patch: Patch, backports: list[Patch], signer: str
-) -> tuple[str, str | None]:
-    """Apply the skipped `backports`, then `patch`, at the worktree's HEAD:
-    for a patch whose context is a backport's code, on a ref older than
-    the upstream fix. The HEAD the patch went on, and its commit (None,
-    with the worktree back where it was, if it still does not apply)."""
-    before = git(worktree, "rev-parse", "HEAD")
-    for backport in backports:
-        if apply_one(worktree, backport, signer) in (None, before):
-            git(worktree, "reset", "-q", "--hard", before)
-            return before, None
-    start = git(worktree, "rev-parse", "HEAD")
-    commit = apply_one(worktree, patch, signer)
-    if commit is None:
-        git(worktree, "reset", "-q", "--hard", before)
-        return before, None
-    return start, commit
-
-
-def cherry_pick_chain(worktree: Path, onto: str, commits: list[str]) -> str | None:
-    """`commits` picked in order onto `onto` (fast-forwarding where a commit
-    already sits on HEAD, so an existing chain is reused as it is); the tip,
-    or None if one does not apply."""
-    git(worktree, "checkout", "-q", "--detach", onto)
-    for commit in commits:
-        if git_ok(worktree, "merge-base", "--is-ancestor", commit, "HEAD"):
-            continue
-        pick = run(["git", "-C", worktree, "cherry-pick", "--ff", commit], check=False)
-        if pick.returncode != 0:
-            run(["git", "-C", worktree, "cherry-pick", "--abort"], check=False)
-            return None
-    return git(worktree, "rev-parse", "HEAD")
-
-
-def stack_on_exported(
-    worktree: Path, onto: str, patch: Patch, earlier: list[Exported], signer: str
-) -> tuple[str, str | None, list[Exported]]:
-    """Apply `patch`, which does not apply alone on `onto`, on the earlier
-    exported patches it needs: on each one's commit, newest first (with
-    what that one is stacked on itself), then on all of them in series
-    order. The first that applies wins: the commit it went on, its commit
-    and the exported patches under it, in series order (None and [] if it
-    applies on none)."""
-    candidates: list[tuple[str | None, list[Exported]]] = [
-        (r.commit, [*r.stacked_on, r]) for r in reversed(earlier)
-    ]
-    candidates.append((None, list(earlier)))
-    tried: list[set[str]] = []
-    for head, under in candidates:
-        names = {u.patch.name for u in under}
-        if not under or names in tried:
-            continue
-        tried.append(names)
-        if head is None:
-            head = cherry_pick_chain(worktree, onto, [u.commit for u in under])
-            if head is None:
-                continue
-        else:
-            git(worktree, "checkout", "-q", "--detach", head)
-        commit = apply_one(worktree, patch, signer)
-        if commit not in (None, head):
-            return head, commit, under
-    git(worktree, "checkout", "-q", "--detach", onto)
-    return onto, None, []
 
 
 def by_hand(

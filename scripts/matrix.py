@@ -44,7 +44,7 @@ from common import (
     step,
 )
 from fetch import ensure_base, resolve_release
-from rebase import (
+from rebase_replay import (
     CLEAN,
     CONFLICT,
     MERGED,

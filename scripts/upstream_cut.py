@@ -31,6 +31,7 @@ commits before and after, and the time each part took.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -47,15 +48,21 @@ CUT = WORK / "upstream" / "cut.git"
 FILTER_REPO = "git-filter-repo==2.47.0"
 # Always kept: where the test environment comes from.
 ALWAYS = ["requirements/", "pyproject.toml", "setup.py"]
-# Runs the reproducers in one process, then lists the files of the tree
-# that were imported (argv: output file, tree, pytest's arguments).
-PROBE = (
-    "import json, sys, pytest\n"
-    "out, tree = sys.argv[1], sys.argv[2]\n"
-    "pytest.main(sys.argv[3:])\n"
-    "files = {getattr(m, '__file__', None) for m in list(sys.modules.values())}\n"
-    "json.dump(sorted(f for f in files if f and f.startswith(tree)), open(out, 'w'))\n"
-)
+# Installed as sitecustomize in every Python process the reproducers start
+# (vLLM inspects models in a subprocess): at exit, each lists the files of
+# the tree it imported into $FORK_CLOSURE_DIR/<pid>.json.
+PROBE = """\
+import atexit, json, os, sys
+
+def _fork_closure_dump():
+    tree = os.environ["FORK_CLOSURE_TREE"]
+    files = {getattr(m, "__file__", None) for m in list(sys.modules.values())}
+    out = os.path.join(os.environ["FORK_CLOSURE_DIR"], f"{os.getpid()}.json")
+    with open(out, "w") as f:
+        json.dump(sorted(x for x in files if x and x.startswith(tree)), f)
+
+atexit.register(_fork_closure_dump)
+"""
 
 
 def filter_repo() -> Path:
@@ -126,19 +133,26 @@ def imported_files(
         py = python or release_venv(
             tag.removeprefix("v"), tree / "requirements" / "common.txt"
         )
-        out = Path(tmp) / "files.json"
-        args = pytest_cmd(
-            py, Path(tmp) / "junit.xml", "--continue-on-collection-errors", *tests
+        probe, found = Path(tmp) / "probe", Path(tmp) / "found"
+        probe.mkdir()
+        found.mkdir()
+        (probe / "sitecustomize.py").write_text(PROBE)
+        env = tree_env(tree)
+        env["PYTHONPATH"] = os.pathsep.join([str(probe), env["PYTHONPATH"]])
+        env["FORK_CLOSURE_TREE"] = str(tree) + "/"
+        env["FORK_CLOSURE_DIR"] = str(found)
+        args = ["--continue-on-collection-errors", *tests]
+        run(
+            pytest_cmd(py, Path(tmp) / "junit.xml", *args),
+            cwd=repro_root,
+            env=env,
+            check=False,
         )
-        # pytest_cmd gives "python -m pytest ..."; the probe takes the rest.
-        cmd = [str(py), "-c", PROBE, str(out), str(tree) + "/", *args[3:]]
-        run(cmd, cwd=repro_root, env=tree_env(tree), check=False)
-        if not out.exists():
-            raise ForkError(
-                f"the reproducers did not run on {tag}: {' '.join(cmd[:3])} ..."
-            )
+        dumps = list(found.glob("*.json"))
+        if not dumps:
+            raise ForkError(f"the reproducers did not run on {tag} (python {py})")
         prefix = len(str(tree)) + 1
-        return {f[prefix:] for f in json.loads(out.read_text())}
+        return {f[prefix:] for d in dumps for f in json.loads(d.read_text())}
 
 
 def cut_paths(

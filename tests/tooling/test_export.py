@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from export_checks import dco, mypy_hook
 
-import export
+import export_pr
 from common import ROOT, ForkError, git, git_ok
 from export import export_series
 from refresh import format_patches
@@ -447,21 +447,21 @@ def test_pr_text_quotes_the_end_to_end_runs_of_the_patchs_scenario(
     ]
     path = tmp_path / "e2e.json"
     path.write_text(json.dumps(records))
-    monkeypatch.setattr(export, "E2E_RECORDS", (tmp_path / "missing.json", path))
-    figures = export.e2e_figures(patch, "0.33.0")
+    monkeypatch.setattr(export_pr, "E2E_RECORDS", (tmp_path / "missing.json", path))
+    figures = export_pr.e2e_figures(patch, "0.33.0")
     rows = [line for line in figures if line.startswith("| seedX")]
     assert rows == [
         "| seedX | bare release | 60 | 1 | 0 | 59 | dead: `ValueError: Cannot get "
         "1 free blocks (in get_new_blocks)` | - | 1 | - |",
         "| seedX | with the series | 60 | 50 | 10 | 0 | alive | - | 1 | - |",
     ]
-    assert export.e2e_figures(patch, "0.19.0") == []
-    text = export.pr_description(
+    assert export_pr.e2e_figures(patch, "0.19.0") == []
+    text = export_pr.pr_description(
         patch, patch.message(), "0.33.0", "0" * 40, True, [], figures
     )
     assert "- [x] The test results" in text and rows[0] in text
     # The measured table replaces the generic claim.
     assert "the reproducer fails without" not in text
-    bare = export.pr_description(patch, patch.message(), "0.33.0", "0" * 40, True)
+    bare = export_pr.pr_description(patch, patch.message(), "0.33.0", "0" * 40, True)
     assert "- [ ] The test results" in bare
     assert "the reproducer fails without" in bare

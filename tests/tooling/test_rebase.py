@@ -20,6 +20,8 @@ import pytest
 from conftest import LINES, NEW_RELEASE, REPRODUCER, UPSTREAM_FILES, Upstream, git
 
 import rebase
+import rebase_replay
+import rebase_state
 from apply import apply_series
 from common import ForkError
 from series import Series
@@ -56,7 +58,7 @@ def snapshot(d: Path) -> dict[str, bytes]:
 
 
 def states(tree: Path) -> list[tuple[str, str]]:
-    state = rebase.State.load(tree)
+    state = rebase_state.State.load(tree)
     return [(e.name[:4], e.state) for e in state.patches]
 
 
@@ -144,7 +146,7 @@ def test_every_patch_is_classified_and_the_conflict_resumes(five, project, capsy
     for line in ("line thirty-five", "line twenty-nine", "line twenty", "line 2.5"):
         assert line + "\n" in text
     assert snapshot(five.series.dir) == series_before
-    assert not rebase.state_exists(five.tree)
+    assert not rebase_state.state_exists(five.tree)
     assert "0003-Conflict-change-line-20.patch" in capsys.readouterr().err
 
 
@@ -192,7 +194,7 @@ def test_a_port_is_replayed_whole(five, project, tmp_path):
     third = tmp_path / "third"
     with pytest.raises(ForkError, match="0005-Conflict-change-line-20.patch"):
         start(five, project, tree=third)
-    state = rebase.State.load(third)
+    state = rebase_state.State.load(third)
     entry = state.patches[4]
     assert entry.state == "conflict" and "ported by hand" in entry.detail
     assert "line twenty\n" in (third / "vllm/v1/core/block_pool.py").read_text()
@@ -218,7 +220,7 @@ def test_abort_puts_everything_back_and_keeps_the_unfinished_work(five, project)
     assert len(backups) == 1
     kept = git(five.tree, "show", f"{backups[0]}:vllm/v1/core/block_pool.py")
     assert kept == "half resolved"
-    assert not rebase.state_exists(five.tree)
+    assert not rebase_state.state_exists(five.tree)
     assert snapshot(five.series.dir) == series_before
     assert not (five.tree.parent / "into").exists()
     with pytest.raises(ForkError, match="no rebase is in progress"):
@@ -235,7 +237,7 @@ def test_continue_refuses_unresolved_files_and_changes_nothing(five, project):
     with pytest.raises(ForkError, match="conflict markers"):
         rebase.resume(five.tree)
     assert states(five.tree)[4] == ("0005", "conflict")
-    assert rebase.am_in_progress(five.tree)
+    assert rebase_replay.am_in_progress(five.tree)
 
 
 def test_resolving_to_the_new_code_drops_the_patch(five, project):
@@ -467,7 +469,7 @@ def test_a_patch_that_applies_is_adapted_with_edit_and_replayed(
     git(five.tree, "commit", "-q", "-a", "--amend", "--no-edit")
     with pytest.raises(ForkError, match="0005-Conflict"):
         rebase.resume(five.tree)
-    assert rebase.State.load(five.tree).patches[0].detail == "adapted by hand"
+    assert rebase_state.State.load(five.tree).patches[0].detail == "adapted by hand"
     resolve_by_hand(five.tree)
     rebase.resume(five.tree)
     first = snapshot(tmp / "into")
@@ -524,14 +526,14 @@ def test_edit_must_name_a_patch_and_an_unchanged_stop_records_nothing(
     with pytest.raises(ForkError, match="EDIT=99 names no patch"):
         go(five.tree, ["99"])
     assert git(five.tree, "rev-parse", "HEAD") == head_before
-    assert not rebase.state_exists(five.tree)
+    assert not rebase_state.state_exists(five.tree)
     # Stopped by EDIT= and continued without amending: kept as it applied,
     # no adaptation recorded.
     with pytest.raises(ForkError, match="stopped after 0001"):
         go(five.tree, ["0001"])
     with pytest.raises(ForkError, match="0005-Conflict"):
         rebase.resume(five.tree)
-    entry = rebase.State.load(five.tree).patches[0]
+    entry = rebase_state.State.load(five.tree).patches[0]
     assert (entry.state, entry.port) == ("clean", "")
 
 

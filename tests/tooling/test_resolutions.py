@@ -176,7 +176,7 @@ def test_a_port_is_stale_only_on_the_release_it_was_made_for(tmp_path):
 
 
 def test_the_committed_store_holds_exactly_what_the_series_use():
-    from rebase import series_dirs
+    from rebase_finish import series_dirs
 
     dirs = series_dirs(res.STORE.parent)
     assert res.check_store(res.STORE, dirs) == []
