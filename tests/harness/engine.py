@@ -102,6 +102,9 @@ class HarnessConfig:
     # default); False checks only its first chunk, so an admission count can
     # meet the pool's edge mid-prompt.
     reserve_full_isl: bool = True
+    # The scheduler's stats (events, prefix cache stats), as --disable-log-stats
+    # off gives them.
+    log_stats: bool = False
     # Steps after launch at which a transfer completes (0: in the same step).
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
 
@@ -435,7 +438,7 @@ class Engine:
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=self.cfg.block_size,
-            log_stats=False,
+            log_stats=self.cfg.log_stats,
         )
         self.kv = FakeKV()
         self.stats = StepStats()

@@ -14,6 +14,9 @@ found it: 30 of 400 generated traces on bare 0.33.0).
 from __future__ import annotations
 
 import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+    MultiConnector,
+)
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
@@ -21,7 +24,9 @@ from harness.invariants import assert_manager_ok
 BS = 16
 
 
-def sessions_holding_most_blocks(policy: str) -> tuple[Engine, str, str]:
+def sessions_holding_most_blocks(
+    policy: str, log_stats: bool = False
+) -> tuple[Engine, str, str]:
     """19 usable blocks; sessions A and B have each computed a 120-token
     prompt and hold 8 blocks, so 3 are free."""
     e = Engine(
@@ -31,6 +36,7 @@ def sessions_holding_most_blocks(policy: str) -> tuple[Engine, str, str]:
             offload=False,
             policy=policy,
             max_num_batched_tokens=256,
+            log_stats=log_stats,
         )
     )
     a = e.add_request([100 + t for t in range(120)], 1, "A", resumable=True)
@@ -102,6 +108,23 @@ def test_the_freed_request_is_reported_as_preempted():
     assert preempted == {b}
 
 
+def test_the_freed_request_is_left_as_a_preempted_one_is():
+    # With stats on it gets a PREEMPTED event; its drafted tokens go, as
+    # they went with the blocks they were to be checked against.
+    e, a, b = sessions_holding_most_blocks("priority", log_stats=True)
+    freed = e.scheduler.requests[b]
+    freed.spec_token_ids = [5, 6]
+    e.add_request([500 + t for t in range(60)], 2, a, resumable=True, priority=0)
+    e.add_request([700 + t for t in range(60)], 2, b, resumable=True, priority=1)
+    for _ in range(3):
+        if b in (e.step().preempted_req_ids or ()):
+            break
+    else:
+        pytest.fail("B was not freed")
+    assert "PREEMPTED" in [event.type.name for event in freed.events or ()]
+    assert list(freed.spec_token_ids) == []
+
+
 def test_a_freed_session_finds_only_its_own_prefix():
     # S's prompt (31 tokens) and its sampled token t fill block 1; S drops
     # t for its new input, but its hash of block 1 may still include t. R,
@@ -135,15 +158,17 @@ def test_a_freed_session_finds_only_its_own_prefix():
 
 
 class WrappedLikeMultiConnector:
-    """The connector as a MultiConnector of 0.19.0-0.29.0 shows it: it wraps
-    the real one (in `_connectors`) and forwards no has_pending_* hook."""
+    """The connector as this release's MultiConnector shows it: it wraps the
+    real one (in `_connectors`) and forwards only the has_pending_* hooks
+    MultiConnector itself defines (on 0.19.0-0.29.0, none that
+    SimpleCPUOffload answers)."""
 
     def __init__(self, inner):
         self._connectors = [inner]
         self._inner = inner
 
     def __getattr__(self, name):
-        if name.startswith("has_pending_"):
+        if name.startswith("has_pending_") and not hasattr(MultiConnector, name):
             raise AttributeError(name)
         return getattr(self._inner, name)
 
