@@ -8,10 +8,17 @@ SimpleCPUOffloadConnector's scheduler side, and its worker side
   scheduler's output as a real runner does, "computes" KV by writing a
   content tag into every block it fills, checks the tag of every block it
   attends to, and samples one token per finished prefill/decode step;
-- the CUDA pieces of the copy path (harness.fake_cuda): streams, events and
-  the driver's batch memcpy. The release's own DmaCopyBackend runs on them,
-  copying content tags between the fake GPU and CPU caches, and each
-  transfer completes when the test says (at once, or some steps late).
+- the CUDA pieces (harness.fake_cuda): streams, events and the driver's
+  batch memcpy, ordered as a GPU orders them, with a checker that reports
+  any two accesses of a block that nothing orders. The forward is one
+  operation on the compute stream; the release's own DmaCopyBackend copies
+  content tags between the fake GPU and CPU caches on its copy streams, and
+  each transfer completes when the test says (at once, or some steps late).
+
+With `async_scheduling` the engine runs as vLLM's EngineCore does with a
+batch queue of two: step N+1 is scheduled and launched before step N's
+output is processed, so output placeholders are live, and the host learns
+step N's compute done only when it reads step N's sampled tokens.
 
 The worker is driven as each release's model runner drives its connector
 (KVConnectorModelRunnerMixin): handle_preemptions, bind, start_load_kv,
@@ -31,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +56,7 @@ from vllm.config import (
 )
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -105,6 +114,9 @@ class HarnessConfig:
     # The scheduler's stats (events, prefix cache stats), as --disable-log-stats
     # off gives them.
     log_stats: bool = False
+    # Schedule step N+1 before step N's output is processed (vLLM's
+    # --async-scheduling: AsyncScheduler and a batch queue of two).
+    async_scheduling: bool = False
     # Steps after launch at which a transfer completes (0: in the same step).
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
 
@@ -127,7 +139,7 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
                 else {}
             ),
         )
-    return VllmConfig(
+    config = VllmConfig(
         model_config=ModelConfig(
             model=str(MODEL_DIR),
             dtype="float16",
@@ -142,7 +154,7 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
             policy=cfg.policy,
-            async_scheduling=False,
+            async_scheduling=cfg.async_scheduling,
             is_encoder_decoder=False,
             **scheduler_options(cfg),
         ),
@@ -154,6 +166,11 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig("cpu"),
     )
+    # The CPU platform turns async scheduling off; a GPU leaves it as asked,
+    # and the scheduler reads it (e.g. to defer freeing blocks a step in
+    # flight still uses).
+    config.scheduler_config.async_scheduling = cfg.async_scheduling
+    return config
 
 
 def scheduler_options(cfg: HarnessConfig) -> dict[str, Any]:
@@ -216,6 +233,22 @@ def make_kv_cache_config(cfg: HarnessConfig) -> KVCacheConfig:
     )
 
 
+def sampled_token(req_id: str, position: int) -> int:
+    """The token the fake runner samples for `req_id` at `position`: a
+    function of both alone, so the runner knows the tokens of steps whose
+    output the scheduler has not processed yet (its placeholders), as a
+    real runner keeps them on the GPU."""
+    return hash((req_id, position)) % 1000 + 3
+
+
+def token_ids(req: Request, upto: int) -> list[int]:
+    """The request's first `upto` tokens: the scheduler's, then the ones
+    the runner sampled that the scheduler has not yet seen."""
+    tokens = list(req.all_token_ids[:upto])
+    tokens += (sampled_token(req.request_id, i) for i in range(len(tokens), upto))
+    return tokens
+
+
 class ContentOracle:
     """The content tag each block of a request must hold."""
 
@@ -225,7 +258,9 @@ class ContentOracle:
 
     def _chain(self, req: Request, upto: int) -> list[int]:
         chain = self._chains.setdefault(req.request_id, [])
-        tokens, bs = req.all_token_ids, self.block_size
+        bs = self.block_size
+        if len(chain) < upto:
+            tokens = token_ids(req, upto * bs)
         while len(chain) < upto:
             i = len(chain)
             prev = chain[-1] if chain else 0
@@ -243,7 +278,7 @@ class ContentOracle:
             "part",
             group,
             prev,
-            tuple(req.all_token_ids[start : start + num_tokens]),
+            tuple(token_ids(req, start + num_tokens)[start:]),
         )
 
     def forget(self, req_id: str) -> None:
@@ -284,11 +319,13 @@ class FakeModelRunner:
         cfg: HarnessConfig,
         kv: FakeKV,
         requests: dict[str, Request],
-        write: Callable[[int, Any], None],
+        forward: Callable[[str, list[int], dict[int, Any]], Any],
     ):
-        """`write(block_id, tag)` writes KV on the compute stream."""
+        """`forward(name, reads, writes)` launches the forward on the compute
+        stream: it reads the blocks `reads` and writes `writes` (block id ->
+        KV tag)."""
         self.cfg, self.kv, self.requests = cfg, kv, requests
-        self.write = write
+        self.forward = forward
         self.oracle = ContentOracle(cfg.block_size)
         self.tables: dict[str, list[list[int]]] = {}
         self.violations: list[Violation] = []
@@ -329,6 +366,8 @@ class FakeModelRunner:
         computed = self._update_tables(so)
         bs = self.cfg.block_size
         req_ids, sampled = [], []
+        reads: list[int] = []
+        writes: dict[int, Any] = {}
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.requests[req_id]
             c = computed[req_id]
@@ -337,7 +376,12 @@ class FakeModelRunner:
                 for i in self._needed(g, c):
                     bid = table[g][i]
                     want = self.oracle.tag(req, g, i, min(bs, c - i * bs))
-                    got = self.kv.gpu.get(bid) if bid != NULL_BLOCK_ID else None
+                    got = None
+                    if bid != NULL_BLOCK_ID:
+                        reads.append(bid)
+                        # What an earlier request of this step wrote, or the
+                        # cache's KV.
+                        got = writes.get(bid, self.kv.gpu.get(bid))
                     if got != want:
                         self.violations.append(
                             Violation(step, req_id, g, i, bid, want, got)
@@ -345,14 +389,13 @@ class FakeModelRunner:
                 for i in range(c // bs, (c + n - 1) // bs + 1):
                     bid = table[g][i]
                     if bid != NULL_BLOCK_ID:
-                        self.write(
-                            bid, self.oracle.tag(req, g, i, min(bs, c + n - i * bs))
+                        writes[bid] = self.oracle.tag(
+                            req, g, i, min(bs, c + n - i * bs)
                         )
             req_ids.append(req_id)
             done_prefill = c + n >= req.num_tokens
-            sampled.append(
-                [hash((req_id, req.num_tokens)) % 1000 + 3] if done_prefill else []
-            )
+            sampled.append([sampled_token(req_id, c + n)] if done_prefill else [])
+        self.forward(f"the forward of step {step}", reads, writes)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -378,10 +421,13 @@ def worker_step(
     so: SchedulerOutput,
     step: int,
     failed_loads: Callable[[set[str] | None], set[int]] = lambda recving: set(),
+    host_sync: bool = True,
 ) -> ModelRunnerOutput:
     """The worker side of one step, in the model runner's order: the
     connector's calls around the forward, as each release's runner makes
-    them. `failed_loads(recving)` names the blocks whose load failed."""
+    them. `failed_loads(recving)` names the blocks whose load failed.
+    `host_sync`: the host reads the step's sampled tokens before it returns
+    (synchronous scheduling); otherwise the caller syncs later."""
     if worker is None:
         out = runner.execute(so, step)
     else:
@@ -407,7 +453,8 @@ def worker_step(
                 **({"invalid_block_ids": invalid} if invalid else {}),
             )
             worker.clear_connector_metadata()
-    cuda.host_sync()
+    if host_sync:
+        cuda.host_sync()
     return out
 
 
@@ -433,7 +480,8 @@ class Engine:
         self.vllm_config = make_vllm_config(self.cfg)
         self.vllm_config.cache_config.num_gpu_blocks = self.cfg.num_gpu_blocks
         self.kv_cache_config = make_kv_cache_config(self.cfg)
-        self.scheduler = Scheduler(
+        scheduler_class = AsyncScheduler if self.cfg.async_scheduling else Scheduler
+        self.scheduler = scheduler_class(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -453,8 +501,11 @@ class Engine:
             delay=self.cfg.transfer_delay,
         )
         self.runner = FakeModelRunner(
-            self.cfg, self.kv, self.requests, self.cuda.compute_write
+            self.cfg, self.kv, self.requests, self.cuda.forward
         )
+        # Async scheduling: steps launched whose output is not processed
+        # yet, oldest first, each with where the compute stream was after it.
+        self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput, Any]] = deque()
         self.copy_backend: CopyEngine | None = None
         self.worker: SimpleCPUOffloadWorker | None = None
         if self.cfg.offload:
@@ -505,15 +556,23 @@ class Engine:
         req_id: str | None = None,
         resumable: bool = False,
         priority: int = 0,
+        stop_at: int | None = None,
     ) -> str:
         """Add a request. `resumable` makes a streaming-input session: it
         waits for its next chunk, keeping its KV, when it stops; a later call
-        with the same `req_id` sends that chunk, as the engine does."""
+        with the same `req_id` sends that chunk, as the engine does.
+        `stop_at`: the request stops on the token it samples at this
+        position (a stop token: under async scheduling its next step is
+        already launched when the scheduler learns it is done)."""
         req_id = req_id or f"r{next(self._ids)}"
         req = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                stop_token_ids=[sampled_token(req_id, stop_at)] if stop_at else None,
+            ),
             pooling_params=None,
             block_hasher=self.block_hasher,
             priority=priority,
@@ -547,7 +606,29 @@ class Engine:
         self.stats.aborted.add(req_id)
 
     # --- stepping -----------------------------------------------------------
-    def step(self) -> SchedulerOutput:
+    def step(self) -> SchedulerOutput | None:
+        """One engine step. Synchronous: schedule, run, process the output.
+        With async scheduling, as EngineCore.step_with_batch_queue: schedule
+        and launch a step (when there are requests), and process the oldest
+        step's output once two are in flight or nothing new was scheduled.
+        Returns the step scheduled, if any."""
+        if not self.cfg.async_scheduling:
+            so, out = self._launch(host_sync=True)
+            self._process(so, out)
+            return so
+        so = None
+        if self.scheduler.has_requests() or not self.in_flight:
+            so, out = self._launch(host_sync=False)
+            self.in_flight.append((so, out, self.cuda.compute_mark()))
+            if so.total_num_scheduled_tokens > 0 and len(self.in_flight) < 2:
+                return so
+        old, out, mark = self.in_flight.popleft()
+        # The host reads that step's sampled tokens: its forward is done.
+        self.cuda.host_sync(mark)
+        self._process(old, out)
+        return so
+
+    def _launch(self, host_sync: bool) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         start = time.perf_counter()
         so = self.scheduler.schedule()
         self.stats.scheduler_seconds += time.perf_counter() - start
@@ -560,8 +641,12 @@ class Engine:
             so,
             self.stats.steps,
             self._failed_load_blocks,
+            host_sync=host_sync,
         )
         self.stats.steps += 1
+        return so, out
+
+    def _process(self, so: SchedulerOutput, out: ModelRunnerOutput) -> None:
         start = time.perf_counter()
         engine_outputs = self.scheduler.update_from_output(so, out)
         self.stats.scheduler_seconds += time.perf_counter() - start
@@ -569,11 +654,11 @@ class Engine:
             for o in outputs.outputs:
                 if o.finish_reason is not None:
                     self.stats.finished.add(o.request_id)
-        return so
 
     def busy(self) -> bool:
-        """Requests in flight, or offload transfers not yet completed."""
-        if self.scheduler.has_requests():
+        """Requests in flight, steps whose output is not processed, or
+        offload transfers not yet completed."""
+        if self.scheduler.has_requests() or self.in_flight:
             return True
         off = self.offload
         return off is not None and bool(off._store_event_to_blocks or off._reqs_to_load)

@@ -1,34 +1,57 @@
-"""CPU stand-ins for the CUDA pieces of SimpleCPUOffload's copy path.
+"""CPU stand-ins for the CUDA pieces of SimpleCPUOffload's copy path, with
+the order a GPU gives them.
 
 The release's own DmaCopyBackend runs (launch_copy, _copy_loop, build_params,
-copy_blocks) and so does the worker's store path, whatever each release calls
-things. Only what needs a GPU is replaced, and only inside `FakeCuda.active()`:
+copy_blocks) and so does the worker, whatever each release calls things.
+Only what needs a GPU is replaced, and only inside `FakeCuda.active()`:
+`torch.Event` and `torch.cuda.current_stream()` as the worker and copy
+backend modules see them (their module-level `torch` name is swapped for a
+proxy; nothing else in the process is touched), the copy streams, and the
+driver's batch memcpy entry point (cuMemcpyBatchAsync).
 
-- `torch.Event` and `torch.cuda.current_stream()`, as the worker and copy
-  backend modules see them (their module-level `torch` name is swapped for a
-  proxy; nothing else in the process is touched);
-- the copy streams, which only record what is issued on them;
-- the driver's batch memcpy entry point (cuMemcpyBatchAsync), which records
-  each copy with the srcAccessOrder the release passed and the compute events
-  its stream was told to wait for.
+**Order, as CUDA defines it.** Each stream is a queue of operations in
+launch order. The forward is one operation on the compute stream that reads
+the KV blocks every scheduled request attends to and writes the blocks of
+the tokens it computes; each batched copy is one operation on its copy
+stream that reads its source blocks and writes its destination blocks (a
+store reads GPU blocks and writes CPU blocks, a load the reverse).
+`Event.record` marks a position in its stream; `wait_event` and
+`wait_stream` order everything a stream launches later after that
+position; the host learns what precedes a position when it synchronizes on
+it (`Event.synchronize`, an `Event.query` that returns True,
+`Stream.synchronize`, or `host_sync`, the copy of a step's sampled tokens),
+and what it launches afterwards, on any stream, comes after. This is a
+vector clock per stream and one for the host. A copy with
+srcAccessOrder=ANY may read its source out of stream order: its read is
+ordered only after what the host knew when it launched the copy.
 
-Order within a step is seen, as a GPU would: every KV write of the fake
-runner, event record and copy gets a sequence number. A forward's KV writes
-are asynchronous: the host knows them done only at the step's end, when the
-sampler copies the step's tokens to it (`host_sync`; the harness schedules
-synchronously). A store that reads a block written since then sees the
-write only if its stream waited for a compute event recorded after it and
-it reads in stream order (STREAM); ANY may read before the stream's waits.
-Otherwise it copies `Stale` KV, and a block written again while a copy of
-it is in flight copies `Torn` KV: content checks catch either by value,
-whatever the structure of the code. Such a store is real: a request that
-hits, as a prefix, a block another request computes in the same step has
-it stored in that step. Loads are not checked this way.
+**The checker.** Every access to a block (GPU or CPU) is checked against
+the accesses before it: a write unordered with an earlier read or write of
+the same block, or a read unordered with the write before it, is a `Race`,
+naming the block, both operations and their streams. A real GPU may run
+two unordered operations in either order, so any such pair can corrupt KV,
+however the harness happened to interleave them.
 
-Copies move content tags between the fake KV caches when an event recorded
-after them completes, some steps after launch (`delay`), so a block reused
-or read before its transfer completes is caught by value. What the checks
-read (`CopyRecord`) is what the driver was handed, not what a patch names.
+**Content.** The CPU-side bookkeeping stays what a synchronous run gives:
+the forward's KV tags land when it is launched, a copy's when an event
+recorded after it completes (`delay` steps after launch). Where order is
+missing, content shows it too: a store reading a block whose last write is
+not ordered before its read copies `Stale` KV, and one whose block is
+written again, unordered, while it is in flight copies `Torn` KV, so
+content checks catch either by value. A load's destination is written
+when the load completes.
+
+**What this model does not capture.** Copy engines running several copies
+of one stream at once (CUDA keeps stream order, so this changes nothing the
+checker needs); CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL (no release uses
+it); host threads (the copy thread's launches are made synchronously, in
+the order the worker queues them, which is the order its queue gives them
+on a GPU); memory the host writes directly (the KV caches are only written
+by kernels and copies); the forward's layers (one operation: a copy that
+waits for any part of it waits for all of it, which is what the worker's
+events give); and a kernel's reads or writes of blocks outside what the
+scheduler gave it (e.g. zeroing of new blocks, which the harness's layouts
+never ask for).
 """
 
 from __future__ import annotations
@@ -38,7 +61,7 @@ import ctypes
 import inspect
 import itertools
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,11 +74,21 @@ SRC_ACCESS_ORDER = {1: "STREAM", 3: "ANY"}
 
 _handles = itertools.count(1)
 
+Clock = dict[str, int]
+
+
+def _join(a: Clock, b: Clock) -> Clock:
+    out = dict(a)
+    for k, v in b.items():
+        if v > out.get(k, 0):
+            out[k] = v
+    return out
+
 
 @dataclass(frozen=True)
 class Mark:
     """Where an event was recorded: a stream, after the operations numbered
-    below `seq`."""
+    below `seq` (a number shared by every stream, in host order)."""
 
     stream: str
     seq: int
@@ -78,6 +111,68 @@ class Torn:
     block: int
 
 
+@dataclass(frozen=True)
+class Op:
+    """One operation on a stream: the `pos`-th of its stream, `seq`-th in
+    host order, after what `clock` says."""
+
+    name: str
+    stream: str
+    pos: int
+    seq: int
+    clock: Clock = field(hash=False, compare=False)
+
+    def before(self, clock: Clock) -> bool:
+        """Is this operation ordered before a point with this clock?"""
+        return clock.get(self.stream, 0) >= self.pos
+
+
+@dataclass(frozen=True)
+class Access:
+    """An operation's read or write of a block; `after` is the clock the
+    access is ordered after (the operation's, or less for an ANY read)."""
+
+    op: Op
+    write: bool
+    after: Clock = field(hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Race:
+    """Two accesses of one block that nothing orders: a GPU may run them
+    either way round."""
+
+    space: str
+    block: int
+    first: Access
+    second: Access
+
+    def __str__(self) -> str:
+        kind = {
+            (True, True): "write after write",
+            (False, True): "write after read",
+            (True, False): "read after write",
+        }[(self.first.write, self.second.write)]
+        verb = {True: "writes", False: "reads"}
+        return (
+            f"{kind} on {self.space} block {self.block}: "
+            f"{self.second.op.name} ({self.second.op.stream} stream) "
+            f"{verb[self.second.write]} it, unordered with "
+            f"{self.first.op.name} ({self.first.op.stream} stream), which "
+            f"{verb[self.first.write]} it"
+        )
+
+
+@dataclass
+class _BlockHistory:
+    """The accesses a new one must be ordered after: the last write, and
+    the latest read of each stream since (an earlier read of a stream is
+    ordered before whatever its latest one is)."""
+
+    write: Access | None = None
+    reads: dict[str, Access] = field(default_factory=dict)
+
+
 @dataclass
 class CopyRecord:
     """One batched copy as the driver received it."""
@@ -88,30 +183,25 @@ class CopyRecord:
     src_access_order: str | None
     # Events the copy stream waited for before this copy was issued.
     waited: list[Mark]
-    # Sequence numbers: when the copy was issued, the host's last sync
-    # before that, and the last compute write before it.
+    op: Op | None = None
+    # Host-order numbers: when the copy was issued, and the last compute
+    # write before it.
     issued: int = 0
-    synced: int = 0
     last_compute_write: int = 0
+    # What each source block held at launch, as the copy's read sees it.
+    read: dict[int, Any] = field(default_factory=dict)
     done: bool = False
-
-    def sees(self, write_seq: int) -> bool:
-        """Is a compute write (by its sequence number) ordered before this
-        copy's read of its source?"""
-        if write_seq < self.synced:
-            return True
-        return self.src_access_order == "STREAM" and any(
-            m.stream == "compute" and m.seq > write_seq for m in self.waited
-        )
 
 
 class FakeStream:
-    """A stream: the copies issued on it, in order, and its waits."""
+    """A stream: a queue of operations, as a vector clock, and its copies."""
 
     def __init__(self, cuda: FakeCuda, name: str):
         self.cuda, self.name = cuda, name
         # The raw handle build_params stores and the driver is called with.
         self.cuda_stream = next(_handles)
+        self.clock: Clock = {}
+        self.count = 0
         self.waited: list[Mark] = []
         self.copies: list[CopyRecord] = []
         # Work on a stream completes in order: no event before the last one.
@@ -121,18 +211,25 @@ class FakeStream:
         # CUDA waits for the event's most recent record, so snapshot it now.
         if event.mark is not None:
             self.waited.append(event.mark)
+            self.clock = _join(self.clock, event.clock)
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.waited.append(Mark(other.name, self.cuda.tick()))
+        self.clock = _join(self.clock, other.clock)
 
     def synchronize(self) -> None:
+        self.cuda.host_knows(self.clock)
         self.cuda.complete(self.copies)
 
 
 class FakeEvent:
     """torch.Event: on a copy stream it completes `delay` steps after it is
-    recorded, carrying out the copies before it; on the compute stream it
-    marks the step (the fake runner computes synchronously)."""
+    recorded, carrying out the copies before it; on the compute stream the
+    fake runner's work is done once launched, so it completes at once."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         self.mark: Mark | None = None
+        self.clock: Clock = {}
         self._cuda: FakeCuda | None = None
         self._copies: list[CopyRecord] = []
         self._ready_at = 0
@@ -142,6 +239,7 @@ class FakeEvent:
         stream = stream or cuda.compute
         self._cuda = cuda
         self.mark = Mark(stream.name, cuda.tick())
+        self.clock = dict(stream.clock)
         self._copies = [c for c in stream.copies if not c.done]
         if stream is not cuda.compute:
             ready = cuda.clock() + cuda.delay(stream is cuda.store)
@@ -151,16 +249,18 @@ class FakeEvent:
         assert self._cuda is not None, "query() of an event never recorded"
         if self._cuda.clock() < self._ready_at:
             return False
-        self._cuda.complete(self._copies)
+        self.synchronize()
         return True
 
     def synchronize(self) -> None:
         if self._cuda is not None:
+            self._cuda.host_knows(self.clock)
             self._cuda.complete(self._copies)
 
 
 class FakeCuda:
-    """One engine's fake device: streams, caches, clock, and the copy log."""
+    """One engine's fake device: streams, caches, clock, the copy log and
+    the races seen."""
 
     _active: FakeCuda | None = None
 
@@ -185,24 +285,70 @@ class FakeCuda:
             "cpu": torch.zeros(num_cpu_blocks, 1, dtype=torch.uint8),
         }
         self.copies: list[CopyRecord] = []
+        self.races: list[Race] = []
         self._seq = itertools.count(1)
-        self.synced = 0
-        # GPU block -> sequence number of its last compute write.
-        self.last_write: dict[int, int] = {}
+        # What the host knows complete: what it launches later comes after.
+        self.host: Clock = {}
+        self._history: dict[tuple[str, int], _BlockHistory] = {}
+        # GPU block -> the forward that last wrote it.
+        self.last_write: dict[int, Op] = {}
         self.last_compute_write = 0
 
     def tick(self) -> int:
         return next(self._seq)
 
-    def compute_write(self, block: int, tag: Any) -> None:
-        """The forward writes KV into a GPU block, on the compute stream."""
-        self.kv["gpu"][block] = tag
-        self.last_write[block] = self.last_compute_write = self.tick()
+    # --- order ------------------------------------------------------------
+    def host_knows(self, clock: Clock) -> None:
+        self.host = _join(self.host, clock)
 
-    def host_sync(self) -> None:
-        """The host waited for the step's sampled tokens: the compute
-        stream's writes so far are done."""
-        self.synced = self.tick()
+    def host_sync(self, mark: Clock | None = None) -> None:
+        """The host waited for a step's sampled tokens: the compute stream's
+        work up to `mark` (a clock from `compute_mark`; all of it when None)
+        is done."""
+        self.host_knows(self.compute.clock if mark is None else mark)
+
+    def compute_mark(self) -> Clock:
+        """Where the compute stream is now (for a later `host_sync`)."""
+        return dict(self.compute.clock)
+
+    def _launch(self, stream: FakeStream, name: str) -> Op:
+        stream.count += 1
+        clock = _join(stream.clock, self.host)
+        clock[stream.name] = stream.count
+        stream.clock = clock
+        return Op(name, stream.name, stream.count, self.tick(), clock)
+
+    def _access(self, space: str, block: int, access: Access) -> None:
+        h = self._history.setdefault((space, block), _BlockHistory())
+        before = [h.write] if h.write else []
+        if access.write:
+            before += h.reads.values()
+        for a in before:
+            if a.op.stream != access.op.stream and not a.op.before(access.after):
+                self.races.append(Race(space, block, a, access))
+        if access.write:
+            h.write, h.reads = access, {}
+        else:
+            h.reads[access.op.stream] = access
+
+    # --- operations ---------------------------------------------------------
+    def forward(self, name: str, reads: Iterable[int], writes: dict[int, Any]) -> Op:
+        """The forward, on the compute stream: attends to `reads`, writes
+        `writes` (GPU block -> the KV tag it now holds)."""
+        op = self._launch(self.compute, name)
+        for block in reads:
+            self._access("gpu", block, Access(op, False, op.clock))
+        for block, tag in writes.items():
+            self._access("gpu", block, Access(op, True, op.clock))
+            self.kv["gpu"][block] = tag
+            self.last_write[block] = op
+        if writes:
+            self.last_compute_write = op.seq
+        return op
+
+    def compute_write(self, block: int, tag: Any) -> None:
+        """A forward that only writes one block."""
+        self.forward("a compute write", (), {block: tag})
 
     @classmethod
     def current(cls) -> FakeCuda:
@@ -228,7 +374,8 @@ class FakeCuda:
         fail_idx: Any,
         stream_handle: int,
     ) -> int:
-        """cuMemcpyBatchAsync: log the copy on its stream; 0 is success."""
+        """cuMemcpyBatchAsync: one copy operation on its stream; 0 is
+        success."""
         stream = next(
             s
             for s in (self.load, self.store, self.compute)
@@ -238,39 +385,53 @@ class FakeCuda:
         dst = [self._block(a) for a in (ctypes.c_uint64 * count).from_address(dsts)]
         # srcAccessOrder is the first field of CUmemcpyAttributes.
         order = ctypes.c_uint.from_address(attrs).value if num_attrs else None
+        src_order = None if order is None else SRC_ACCESS_ORDER[order]
+        is_store = src[0][0] == "gpu"
+        op = self._launch(stream, f"{'store' if is_store else 'load'} copy")
+        # Out of stream order (ANY), a read comes only after what the host
+        # knew at launch.
+        read_after = op.clock if src_order == "STREAM" else dict(self.host)
         record = CopyRecord(
-            is_store=src[0][0] == "gpu",
+            is_store=is_store,
             pairs=[(s, d) for (_, s), (_, d) in zip(src, dst, strict=True)],
-            src_access_order=None if order is None else SRC_ACCESS_ORDER[order],
+            src_access_order=src_order,
             waited=list(stream.waited),
-            issued=self.tick(),
-            synced=self.synced,
+            op=op,
+            issued=op.seq,
             last_compute_write=self.last_compute_write,
         )
+        for space, block in src:
+            self._access(space, block, Access(op, False, read_after))
+            if is_store:
+                record.read[block] = self._read_at_launch(block, read_after)
+        for space, block in dst:
+            self._access(space, block, Access(op, True, op.clock))
         stream.copies.append(record)
         self.copies.append(record)
         return 0
 
+    def _read_at_launch(self, block: int, after: Clock) -> Any:
+        """What a store reads from a GPU block: its KV, or Stale when the
+        write that made it is not ordered before the read."""
+        writer = self.last_write.get(block)
+        if writer is not None and not writer.before(after):
+            return Stale(block, writer.seq)
+        return self.kv["gpu"].get(block)
+
     def complete(self, copies: list[CopyRecord]) -> None:
         for c in copies:
-            if not c.done:
-                c.done = True
-                src, dst = (
-                    (self.kv["gpu"], self.kv["cpu"])
-                    if c.is_store
-                    else (self.kv["cpu"], self.kv["gpu"])
-                )
+            if c.done:
+                continue
+            c.done = True
+            if c.is_store:
                 for s, d in c.pairs:
-                    dst[d] = self._read(c, s) if c.is_store else src.get(s)
-
-    def _read(self, c: CopyRecord, block: int) -> Any:
-        """What a store read from a GPU block (see the module's docstring)."""
-        written = self.last_write.get(block, 0)
-        if written > c.issued:
-            return Torn(block)
-        if written and not c.sees(written):
-            return Stale(block, written)
-        return self.kv["gpu"].get(block)
+                    writer = self.last_write.get(s)
+                    rewritten = writer is not None and writer.seq > c.issued
+                    torn = rewritten and not c.op.before(writer.clock)
+                    self.kv["cpu"][d] = Torn(s) if torn else c.read[s]
+            else:
+                for s, d in c.pairs:
+                    self.kv["gpu"][d] = self.kv["cpu"].get(s)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:

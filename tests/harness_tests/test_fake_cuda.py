@@ -105,3 +105,119 @@ def test_a_block_written_while_its_store_is_in_flight_is_torn(cuda):
     store(cuda, STREAM)
     cuda.compute_write(BLOCK, "other kv")
     assert finish(cuda) == Torn(BLOCK)
+
+
+# --- the happens-before checker ------------------------------------------------
+
+
+def copy(cuda: FakeCuda, is_store: bool, order: int, gpu_block: int = BLOCK) -> None:
+    """A batched copy between GPU block `gpu_block` and CPU block BLOCK, on
+    the store stream (GPU->CPU) or the load stream (CPU->GPU)."""
+    t = cuda.tensors
+    gpu = (ctypes.c_uint64 * 1)(t["gpu"].data_ptr() + gpu_block)
+    cpu = (ctypes.c_uint64 * 1)(t["cpu"].data_ptr() + BLOCK)
+    src, dst = (gpu, cpu) if is_store else (cpu, gpu)
+    attrs = ctypes.c_uint(order)
+    stream = cuda.store if is_store else cuda.load
+    cuda.batch_memcpy(
+        ctypes.addressof(dst),
+        ctypes.addressof(src),
+        0,
+        1,
+        ctypes.addressof(attrs),
+        None,
+        1,
+        None,
+        stream.cuda_stream,
+    )
+
+
+def test_checker_reports_a_store_without_the_compute_done_wait(cuda):
+    cuda.forward("the forward", [], {BLOCK: "kv"})
+    copy(cuda, is_store=True, order=STREAM)
+    (race,) = cuda.races
+    assert (race.space, race.block) == ("gpu", BLOCK)
+    assert race.first.op.name == "the forward" and race.first.write
+    assert race.second.op.stream == "store" and not race.second.write
+    assert "read after write on gpu block 1" in str(race)
+
+
+def test_checker_reports_a_store_whose_event_is_recorded_before_the_forward(cuda):
+    early = compute_event()
+    cuda.forward("the forward", [], {BLOCK: "kv"})
+    cuda.store.wait_event(early)
+    copy(cuda, is_store=True, order=STREAM)
+    assert [r.first.op.name for r in cuda.races] == ["the forward"]
+
+
+def test_checker_reports_a_store_whose_event_is_on_the_wrong_stream(cuda):
+    cuda.forward("the forward", [], {BLOCK: "kv"})
+    event = FakeEvent()
+    event.record(cuda.load)  # the copy stream, not compute
+    cuda.store.wait_event(event)
+    copy(cuda, is_store=True, order=STREAM)
+    assert len(cuda.races) == 1
+
+
+def test_checker_reports_a_store_reading_out_of_stream_order(cuda):
+    cuda.forward("the forward", [], {BLOCK: "kv"})
+    cuda.store.wait_event(compute_event())
+    copy(cuda, is_store=True, order=ANY)
+    assert len(cuda.races) == 1
+
+
+def test_checker_passes_a_store_ordered_after_the_forward(cuda):
+    cuda.forward("the forward", [], {BLOCK: "kv"})
+    cuda.store.wait_event(compute_event())
+    copy(cuda, is_store=True, order=STREAM)
+    cuda.forward("the next forward", [BLOCK], {})  # reads it: both read
+    assert cuda.races == []
+
+
+def test_checker_reports_a_load_into_a_block_a_forward_still_reads(cuda):
+    cuda.forward("the forward", [BLOCK], {})
+    copy(cuda, is_store=False, order=ANY)
+    (race,) = cuda.races
+    assert "write after read" in str(race)
+    assert race.first.op.name == "the forward"
+    assert race.second.op.stream == "load" and race.second.write
+
+
+def test_checker_passes_a_load_after_the_host_saw_the_forward_done(cuda):
+    cuda.forward("the forward", [BLOCK], {})
+    cuda.host_sync()  # the step's sampled tokens reached the host
+    copy(cuda, is_store=False, order=ANY)
+    assert cuda.races == []
+
+
+def test_checker_passes_a_load_ordered_after_the_forward_by_an_event(cuda):
+    cuda.forward("the forward", [BLOCK], {})
+    cuda.load.wait_event(compute_event())
+    copy(cuda, is_store=False, order=STREAM)
+    assert cuda.races == []
+
+
+def test_host_sync_covers_only_the_steps_up_to_its_mark(cuda):
+    """Async scheduling: the host reads step N's tokens after launching
+    step N+1, which it then does not know done."""
+    cuda.forward("step N", [], {})
+    mark = cuda.compute_mark()
+    cuda.forward("step N+1", [BLOCK], {})
+    cuda.host_sync(mark)
+    copy(cuda, is_store=False, order=ANY)
+    assert [r.first.op.name for r in cuda.races] == ["step N+1"]
+
+
+def test_checker_reports_a_forward_reading_a_load_in_flight(cuda):
+    copy(cuda, is_store=False, order=ANY)
+    cuda.forward("the forward", [BLOCK], {})
+    (race,) = cuda.races
+    assert "read after write" in str(race) and race.first.op.stream == "load"
+
+
+def test_checker_reports_a_store_into_a_cpu_block_a_load_still_reads(cuda):
+    copy(cuda, is_store=False, order=ANY, gpu_block=2)  # reads CPU block 1
+    cuda.forward("the forward", [], {BLOCK: "kv"})
+    cuda.store.wait_event(compute_event())
+    copy(cuda, is_store=True, order=STREAM)  # writes CPU block 1
+    assert [(r.space, r.first.op.stream) for r in cuda.races] == [("cpu", "load")]

@@ -181,7 +181,7 @@ class ModelFreeWorker(WorkerBase):
             self.cfg,
             self.kv,
             self.requests,
-            self.cuda.compute_write,  # type: ignore[arg-type]
+            self.cuda.forward,
         )
         self.offload = None
         if transfer is not None:
