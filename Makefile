@@ -25,88 +25,88 @@ help: ## list the targets
 	@echo "  make rebase: BASE=<release or git ref> [INTO=patches/v<release>] [VERSION= GIT_URL= EDIT=<patch number>]"
 
 fetch: ## download and verify the pinned upstream base, import it into .cache/
-	$(PYTHON) scripts/fetch.py $(PICK)
+	$(PYTHON) scripts/keep/fetch.py $(PICK)
 
 apply: venv ## build vllm/: upstream base + patches + overlay (idempotent; VERSION=<release>)
-	$(PYTHON) scripts/apply.py $(PICK) --tree $(TREE)
+	$(PYTHON) scripts/keep/apply.py $(PICK) --tree $(TREE)
 
 refresh: ## write patches/ back from the commits in vllm/ (VERSION=<release>: its series)
-	$(PYTHON) scripts/refresh.py $(PICK) --tree $(TREE)
+	$(PYTHON) scripts/keep/refresh.py $(PICK) --tree $(TREE)
 
 install: apply ## pip install -e vllm into .venv with this machine's variables (VERSION=<release>)
-	$(PYTHON) scripts/install.py --tree $(TREE)
+	$(PYTHON) scripts/ship/install.py --tree $(TREE)
 
 venv: ## create .venv with torch and vLLM's build requirements
-	@$(PYTHON) scripts/venv.py build >/dev/null
+	@$(PYTHON) scripts/lib/venv.py build >/dev/null
 
 test: ## tooling tests, upstream tests on base and series, reproducers, lint
-	$(PYTHON) scripts/run_tests.py $(ARGS)
+	$(PYTHON) scripts/prove/run_tests.py $(ARGS)
 
 test-releases: ## every release's series: reproducers and upstream tests, base against series (RELEASES=0.19.0,0.28.0)
-	$(PYTHON) scripts/test_releases.py $(if $(RELEASES),--releases $(RELEASES))
+	$(PYTHON) scripts/prove/test_releases.py $(if $(RELEASES),--releases $(RELEASES))
 
 test-slow: ## slow tests: the real 0.20.2 -> 0.33.0 rebase; upstream's wheel repacked; make image
-	$(PYTHON) scripts/run_tests.py --slow
+	$(PYTHON) scripts/prove/run_tests.py --slow
 
 wheel: ## patched wheel from upstream's released one, into dist/
-	$(PYTHON) scripts/repack.py $(PICK) $(ARGS)
+	$(PYTHON) scripts/ship/repack.py $(PICK) $(ARGS)
 
 overlay: ## container build context over upstream's image, into dist/
-	$(PYTHON) scripts/container.py $(PICK) $(ARGS)
+	$(PYTHON) scripts/ship/container.py $(PICK) $(ARGS)
 
 image: venv ## build make overlay's context with podman on a local stand-in for upstream's image; reproducers run inside
-	$(PYTHON) scripts/image.py --series $(SERIES) $(ARGS)
+	$(PYTHON) scripts/ship/image.py --series $(SERIES) $(ARGS)
 
 export: venv ## the newest series as upstream PRs: branch, .patch, PR text, vLLM's checks (ARGS=--onto/--upstream)
-	$(PYTHON) scripts/export.py $(ARGS)
+	$(PYTHON) scripts/ship/export.py $(ARGS)
 
 import: ## add an upstream fix as the next patch (ARGS="--repo CLONE RANGE" or ARGS=FILE)
-	$(PYTHON) scripts/import_patch.py --series $(SERIES) $(ARGS)
+	$(PYTHON) scripts/keep/import_patch.py --series $(SERIES) $(ARGS)
 
 rebase: ## move the series onto another release: make rebase BASE=0.33.0
 	@test -n "$(BASE)" || { echo "usage: make rebase BASE=<release or git ref> [INTO=dir]"; exit 2; }
-	$(PYTHON) scripts/rebase.py --base $(BASE) --tree $(TREE) \
+	$(PYTHON) scripts/keep/rebase.py --base $(BASE) --tree $(TREE) \
 		$(if $(filter command line environment,$(origin SERIES)),--series $(SERIES)) \
 		$(if $(INTO),--into $(INTO)) $(if $(VERSION),--version $(VERSION)) \
 		$(if $(GIT_URL),--git-url $(GIT_URL)) $(foreach e,$(EDIT),--edit $(e))
 
 rebase-continue: ## go on with the rebase after resolving a conflict
-	$(PYTHON) scripts/rebase.py --continue --tree $(TREE)
+	$(PYTHON) scripts/keep/rebase.py --continue --tree $(TREE)
 
 rebase-abort: ## undo the rebase in progress (the tree as it was)
-	$(PYTHON) scripts/rebase.py --abort --tree $(TREE)
+	$(PYTHON) scripts/keep/rebase.py --abort --tree $(TREE)
 
 matrix: ## patches and reproducers on releases 0.19.0 .. 0.33.0 (.work/matrix/)
-	$(PYTHON) scripts/matrix.py --series $(SERIES) $(if $(RELEASES),--releases $(RELEASES))
+	$(PYTHON) scripts/keep/matrix.py --series $(SERIES) $(if $(RELEASES),--releases $(RELEASES))
 
 standin: ## a linear stand-in for upstream's history from the release sdists (.work/upstream/standin.git)
-	$(PYTHON) scripts/standin.py
+	$(PYTHON) scripts/keep/standin.py
 
 upstream-cut: venv ## upstream's history cut to what the reproducers need, by git filter-repo (UPSTREAM=<clone or URL>; default the stand-in)
-	$(PYTHON) scripts/upstream_cut.py $(if $(UPSTREAM),--upstream $(UPSTREAM)) $(ARGS)
+	$(PYTHON) scripts/keep/upstream_cut.py $(if $(UPSTREAM),--upstream $(UPSTREAM)) $(ARGS)
 
 bisect-upstream: ## the upstream commit that fixed a patch's bug, on the cut history: make bisect-upstream PATCH=0008
 	@test -n "$(PATCH)" || { echo "usage: make bisect-upstream PATCH=<number> [SERIES=patches/v<release>]"; exit 2; }
-	$(PYTHON) scripts/bisect_upstream.py --patch $(PATCH) --series $(SERIES)
+	$(PYTHON) scripts/keep/bisect_upstream.py --patch $(PATCH) --series $(SERIES)
 
 canary: ## the newest series on upstream main: applies / redundant / conflicts per patch (UPSTREAM= REF=; default the stand-in's main)
-	$(PYTHON) scripts/canary.py $(if $(UPSTREAM),--upstream $(UPSTREAM)) $(if $(REF),--ref $(REF)) \
+	$(PYTHON) scripts/keep/canary.py $(if $(UPSTREAM),--upstream $(UPSTREAM)) $(if $(REF),--ref $(REF)) \
 		$(if $(filter command line environment,$(origin SERIES)),--series $(SERIES)) $(ARGS)
 
 bench: ## allocator speed: unpatched base against the series, side by side
-	$(PYTHON) scripts/bench.py --series $(SERIES)
+	$(PYTHON) scripts/prove/bench.py --series $(SERIES)
 
 e2e: apply ## the real vllm serve on a CPU, base against series, via the openai client (.work/e2e/)
-	$(PYTHON) scripts/e2e.py $(ARGS)
+	$(PYTHON) scripts/prove/e2e.py $(ARGS)
 
 mutate: ## hunk reverts and operator mutants of every series must fail a test (.work/mutate/)
-	$(PYTHON) scripts/mutate.py $(ARGS)
+	$(PYTHON) scripts/prove/mutate.py $(ARGS)
 
 differential: ## the differential oracle: base and series step by step on generated traces (ARGS=--seeds N)
-	$(PYTHON) scripts/differential.py --series $(SERIES) $(ARGS)
+	$(PYTHON) scripts/prove/differential.py --series $(SERIES) $(ARGS)
 
 soak: ## load, fault and fuzz campaign: base and series side by side (ARGS=--vary)
-	$(PYTHON) scripts/soak.py --series $(SERIES) $(ARGS)
+	$(PYTHON) scripts/prove/soak.py --series $(SERIES) $(ARGS)
 
 clean: ## remove generated work trees and logs (keeps vllm/, .venv, .cache)
 	rm -rf .work

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from apply import scratch_tree
-from common import DEFAULT_SERIES
-from series import Base, Series
+from keep.apply import scratch_tree
+from lib.common import DEFAULT_SERIES
+from lib.series import Base, Series
 from shipenv import Env, build_upstream_like_wheel
 
 UPSTREAM_FILES = {
@@ -80,8 +80,8 @@ class Upstream:
 
     def add_patch(self, path: str, text: str, message: str) -> None:
         """Make a patch the way a developer does: commit in the tree, refresh."""
-        from apply import apply_series
-        from refresh import refresh_series
+        from keep.apply import apply_series
+        from keep.refresh import refresh_series
 
         apply_series(self.series, self.tree, self.cache)
         self.commit_in_tree(path, text, message)

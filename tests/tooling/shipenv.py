@@ -17,9 +17,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from common import ROOT, git, git_bytes
-from series import Series
-from testenv import package_env, pytest_cmd, read_junit
+from lib.common import ROOT, git, git_bytes
+from lib.series import Series
+from lib.testenv import package_env, pytest_cmd, read_junit
 
 FAKE_TAGS = "cp38-abi3-manylinux_2_35_x86_64"
 # Stands in for a compiled kernel: bytes that must come out unchanged.

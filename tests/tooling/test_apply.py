@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import UPSTREAM_FILES, Upstream, git, make_sdist, sha256
 
-from apply import apply_series, checkout_base
-from common import ForkError
-from refresh import refresh_series
-from series import Base
+from keep.apply import apply_series, checkout_base
+from keep.refresh import refresh_series
+from lib.common import ForkError
+from lib.series import Base
 
 
 def add_patch(up: Upstream, path: str, text: str, message: str) -> None:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from changes import base_content, package_changes, sha256_hex
-from common import OUTPUT_MARKER, ROOT, ForkError
-from container import (
+from lib.common import OUTPUT_MARKER, ROOT, ForkError
+from ship.changes import base_content, package_changes, sha256_hex
+from ship.container import (
     BASE_ARG,
     PAYLOAD,
     check_context,
@@ -52,7 +52,9 @@ def test_context_holds_the_series_files_and_passes_the_dry_check(series, tree, c
         assert shipped == (tree / f["path"]).read_bytes()
         assert sha256_hex(shipped) == f["sha256"]
     installer = context / PAYLOAD / "install.py"
-    assert installer.read_bytes() == (ROOT / "scripts/image_install.py").read_bytes()
+    assert (
+        installer.read_bytes() == (ROOT / "scripts/ship/image_install.py").read_bytes()
+    )
     # Only the payload and the Dockerfile: nothing to compile.
     assert sorted(p.name for p in context.iterdir()) == sorted(
         ["Dockerfile", PAYLOAD, OUTPUT_MARKER]
@@ -187,13 +189,13 @@ def test_installer_refuses_another_vllm_version(
 
 def test_cli_help():
     proc = subprocess.run(
-        [sys.executable, ROOT / "scripts" / "container.py", "--help"],
+        [sys.executable, ROOT / "scripts" / "ship" / "container.py", "--help"],
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0 and "docker build" in proc.stdout
     installer = subprocess.run(
-        [sys.executable, ROOT / "scripts" / "image_install.py", "--help"],
+        [sys.executable, ROOT / "scripts" / "ship" / "image_install.py", "--help"],
         capture_output=True,
         text=True,
     )

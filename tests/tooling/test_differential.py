@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import differential
-from differential import compare
+from prove import differential
+from prove.differential import compare
 
 STEP = {
     "sched": [["r0", 16]],

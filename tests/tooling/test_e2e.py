@@ -9,13 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from e2e import scenarios
-from e2e_judge import REPRODUCERS, Row, judge, named_reproducers, verdict
-from e2e_load import load_jobs
-from e2e_server import ENGINE_EXCEPTION, Server, first_engine_exception
 
-from common import ROOT, ForkError
-from series import Series
+from lib.common import ROOT, ForkError
+from lib.series import Series
+from prove.e2e import scenarios
+from prove.e2e_judge import REPRODUCERS, Row, judge, named_reproducers, verdict
+from prove.e2e_load import load_jobs
+from prove.e2e_server import ENGINE_EXCEPTION, Server, first_engine_exception
 
 BY_NAME = {sc.name: sc for sc in scenarios(short=False)}
 ALL_BUGS = {sc.reproducer for sc in BY_NAME.values() if sc.reproducer}

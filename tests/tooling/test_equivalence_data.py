@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import mutate
-import mutate_operators
-from common import DEFAULT_SERIES
-from mutate_operators import DATA, EXCLUDED_OPERATORS, VENV, claim_holds_on
-from series import Patch, find_series
+from lib.common import DEFAULT_SERIES
+from lib.series import Patch, find_series
+from prove import mutate, mutate_operators
+from prove.mutate_operators import DATA, EXCLUDED_OPERATORS, VENV, claim_holds_on
 
 OPERATORS, HUNKS = "equivalent_operators.toml", "equivalent_hunks.toml"
 FIELDS = {

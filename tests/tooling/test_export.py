@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from export_checks import dco, mypy_hook
 
-import export_pr
-from common import ROOT, ForkError, git, git_ok
-from export import export_series
-from refresh import format_patches
-from series import FORK_TRAILERS, Series
+from keep.refresh import format_patches
+from lib.common import ROOT, ForkError, git, git_ok
+from lib.series import FORK_TRAILERS, Series
+from ship import export_pr
+from ship.export import export_series
+from ship.export_checks import dco, mypy_hook
 from shipenv import blob_text, commit_files, shared_clone
 
 README_LINE = "Easy, fast, and cheap LLM serving for everyone"
@@ -225,7 +225,7 @@ def test_a_patch_that_needs_an_earlier_one_is_stacked_on_it(
     proc = subprocess.run(
         [
             sys.executable,
-            ROOT / "scripts" / "export.py",
+            ROOT / "scripts" / "ship" / "export.py",
             *("--series", series.dir, "--tree", work_tree),
             *("--onto", "main", "--upstream", upstream, "--out", out),
             "--no-tests",
@@ -360,7 +360,7 @@ def test_unknown_ref_is_a_clear_error(
 
 def test_cli_help():
     proc = subprocess.run(
-        [sys.executable, ROOT / "scripts" / "export.py", "--help"],
+        [sys.executable, ROOT / "scripts" / "ship" / "export.py", "--help"],
         capture_output=True,
         text=True,
     )

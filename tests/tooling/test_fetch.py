@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import Upstream, git
 
-from common import ForkError
-from fetch import ensure_base, ensure_sdist, sdist_path
-from series import Base, read_base
+from keep.fetch import ensure_base, ensure_sdist, sdist_path
+from lib.common import ForkError
+from lib.series import Base, read_base
 
 
 def test_wrong_checksum_names_both_sums_and_keeps_nothing(upstream: Upstream):

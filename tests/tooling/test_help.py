@@ -10,12 +10,21 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CLIS = sorted(
-    p.name for p in SCRIPTS.glob("*.py") if "main_guard(main)" in p.read_text()
+    str(p.relative_to(SCRIPTS))
+    for p in SCRIPTS.rglob("*.py")
+    if "main_guard(main)" in p.read_text()
 )
 
 
 def test_there_are_scripts():
-    assert {"apply.py", "fetch.py", "refresh.py", "run_tests.py"} <= set(CLIS)
+    assert {
+        "keep/apply.py",
+        "keep/fetch.py",
+        "keep/refresh.py",
+        "prove/run_tests.py",
+        "ship/install.py",
+        "lib/venv.py",
+    } <= set(CLIS)
 
 
 @pytest.mark.parametrize("script", CLIS)

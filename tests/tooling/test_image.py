@@ -21,12 +21,17 @@ from pathlib import Path
 
 import pytest
 
-import image
-import image_check
-import podman
-from common import ROOT, ForkError
-from container import BASE_ARG, arg_defaults, expand_args, instructions, write_context
-from image import (
+from lib.common import ROOT, ForkError
+from lib.testenv import read_junit
+from ship import image, image_check, podman
+from ship.container import (
+    BASE_ARG,
+    arg_defaults,
+    expand_args,
+    instructions,
+    write_context,
+)
+from ship.image import (
     StandIn,
     check_summary,
     cpu_torch,
@@ -36,7 +41,7 @@ from image import (
     wheelhouse,
     write_check_context,
 )
-from podman import (
+from ship.podman import (
     PODMAN_CONF_TEXT,
     Podman,
     containers_conf,
@@ -47,7 +52,6 @@ from podman import (
     subuid_problem,
 )
 from shipenv import reproducer_ids
-from testenv import read_junit
 
 REQS = "numpy\ntransformers >= 4.56.0\n"
 
@@ -491,7 +495,7 @@ def test_in_image_check_keeps_the_images_own_packages(tmp_path):
 def test_cli_help():
     for script in ("image.py", "image_check.py"):
         proc = subprocess.run(
-            [sys.executable, ROOT / "scripts" / script, "--help"],
+            [sys.executable, ROOT / "scripts" / "ship" / script, "--help"],
             capture_output=True,
             text=True,
         )
@@ -515,7 +519,12 @@ def test_make_image(series):
     """The default release's image: stand-in (cached after the first run),
     the overlay built on it, the reproducers passing inside."""
     proc = subprocess.run(
-        [sys.executable, ROOT / "scripts" / "image.py", "--series", series.dir],
+        [
+            sys.executable,
+            ROOT / "scripts" / "ship" / "image.py",
+            "--series",
+            series.dir,
+        ],
         capture_output=True,
         text=True,
         timeout=3600,

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from apply import scratch_tree
-from common import ROOT, ForkError, git
-from import_patch import import_change, mails_from_repo, parse_mails
-from refresh import refresh_series
-from series import Patch, Series, is_tracked
+from keep.apply import scratch_tree
+from keep.import_patch import import_change, mails_from_repo, parse_mails
+from keep.refresh import refresh_series
+from lib.common import ROOT, ForkError, git
+from lib.series import Patch, Series, is_tracked
 from shipenv import blob_text, commit_files, shared_clone
 
 POOL = "vllm/v1/core/block_pool.py"
@@ -187,7 +187,7 @@ def test_tracked_paths():
 
 
 def test_cli_errors_exit_non_zero(tmp_path):
-    script = ROOT / "scripts" / "import_patch.py"
+    script = ROOT / "scripts" / "keep" / "import_patch.py"
     helped = subprocess.run([sys.executable, script, "--help"], capture_output=True)
     assert helped.returncode == 0
     notes = tmp_path / "notes.txt"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import NEW_RELEASE, REPRODUCER
 
-import matrix
+from keep import matrix
 
 
 def test_matrix_measures_patches_and_reproducers(five, project, tmp_path):

@@ -9,17 +9,16 @@ import tomllib
 
 from conftest import git
 
-import mutate
-import mutate_operators
-from mutate import code_of, hunks_of
-from mutate_operators import (
+from lib.series import find_series
+from prove import mutate, mutate_operators
+from prove.mutate import code_of, hunks_of
+from prove.mutate_operators import (
     EXCLUDED_OPERATORS,
     blame,
     claim_holds_on,
     is_mutation_subject,
     write_config,
 )
-from series import find_series
 
 BEFORE = '''
 def f(x: int) -> int:

@@ -19,12 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import LINES, NEW_RELEASE, REPRODUCER, UPSTREAM_FILES, Upstream, git
 
-import rebase
-import rebase_replay
-import rebase_state
-from apply import apply_series
-from common import ForkError
-from series import Series
+from keep import rebase, rebase_replay, rebase_state
+from keep.apply import apply_series
+from lib.common import ForkError
+from lib.series import Series
 
 CONFLICT_RE = re.compile(r"^<<<<<<< .*?^>>>>>>> [^\n]*\n", re.M | re.S)
 
@@ -423,7 +421,7 @@ def test_a_kept_patch_drops_reproducers_that_skip_on_the_new_release(upstream, p
 
 
 def test_the_nearest_series_on_the_way_from_the_default_one(tmp_path, monkeypatch):
-    import series as series_module
+    from lib import series as series_module
 
     def make(d: Path, version: str) -> None:
         d.mkdir(parents=True, exist_ok=True)

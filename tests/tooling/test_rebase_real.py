@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from resolutions import STORE, check_store
 
-import rebase
-from common import DEFAULT_SERIES, OVERLAY
-from series import Series, read_base
+from keep import rebase
+from keep.resolutions import STORE, check_store
+from lib.common import DEFAULT_SERIES, OVERLAY
+from lib.series import Series, read_base
 
 COMMITTED = DEFAULT_SERIES / "v0.33.0"
 

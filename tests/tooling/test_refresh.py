@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import Upstream, git
 
-from apply import apply_series
-from common import ForkError
-from refresh import refresh_series
+from keep.apply import apply_series
+from keep.refresh import refresh_series
+from lib.common import ForkError
 
 
 def snapshot(up: Upstream) -> dict[str, bytes]:

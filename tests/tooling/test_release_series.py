@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-import release_table
-import test_releases
 
-import series as series_module
-from common import ROOT, ForkError
-from series import Series, default_and_newest, find_series, series_for_version
+from keep import release_table
+from lib import series as series_module
+from lib.common import ROOT, ForkError
+from lib.series import Series, default_and_newest, find_series, series_for_version
+from prove import test_releases
 
 
 def make_series(d: Path, version: str, subjects: list[str]) -> Series:
@@ -91,7 +91,7 @@ def test_the_readme_table_is_the_committed_series():
     end = readme.index(release_table.END)
     assert readme[start:end].strip() == release_table.table().strip(), (
         "README.md's release table is stale: paste `python3 "
-        "scripts/release_table.py` between its markers"
+        "scripts/keep/release_table.py` between its markers"
     )
 
 
@@ -144,7 +144,7 @@ def test_upstream_summary_reads_run_tests_detail():
 
 
 def test_releases_are_ordered_with_pre_releases_below_the_final(patches):
-    from series import version_key as key
+    from lib.series import version_key as key
 
     assert key("0.34.0rc1") < key("0.34.0") < key("0.34.0.post1")
     assert key("0.34.0.dev0") < key("0.34.0") < key("0.100.0")

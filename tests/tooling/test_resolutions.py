@@ -9,7 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import resolutions as res
+
+from keep import resolutions as res
 
 UPSTREAM = "".join(f"line {i}\n" for i in range(1, 201))
 
@@ -176,7 +177,7 @@ def test_a_port_is_stale_only_on_the_release_it_was_made_for(tmp_path):
 
 
 def test_the_committed_store_holds_exactly_what_the_series_use():
-    from rebase_finish import series_dirs
+    from keep.rebase_finish import series_dirs
 
     dirs = series_dirs(res.STORE.parent)
     assert res.check_store(res.STORE, dirs) == []

@@ -1,4 +1,4 @@
-"""The soak's speed comparison (scripts/soak.py): the arithmetic on the
+"""The soak's speed comparison (scripts/prove/soak.py): the arithmetic on the
 timings its workers report. The workers themselves are tested in
 tests/harness_tests/test_soak_worker.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from soak import speed_caveat, speed_ratios, speed_verdict, survived
+from prove.soak import speed_caveat, speed_ratios, speed_verdict, survived
 
 INF = float("inf")
 

@@ -12,11 +12,9 @@ from pathlib import Path
 
 from conftest import NEW_RELEASE, REPRODUCER, UPSTREAM_FILES, git
 
-import bisect_upstream
-import canary
-import upstream_cut
-from series import Series
-from standin import build_standin
+from keep import bisect_upstream, canary, upstream_cut
+from keep.standin import build_standin
+from lib.series import Series
 
 UTILS = "vllm/v1/core/kv_cache_utils.py"
 FIX_SUBJECT = "[Core] Raise ValueError on an empty pop (#4242)"

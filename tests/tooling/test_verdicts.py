@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from testenv import reproducer_verdicts
+from lib.testenv import reproducer_verdicts
 
 RELEASE = {
     "vllm/__init__.py": "",

@@ -16,17 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from changes import package_changes
-from common import ForkError, git
-from install import upstream_wheel
-from repack import (
+from lib.common import ForkError, git
+from lib.series import Series
+from ship.changes import package_changes
+from ship.install import upstream_wheel
+from ship.repack import (
     build_wheel,
     check_against_release,
     compare_wheels,
     local_label,
     verify_record,
 )
-from series import Series
 from shipenv import (
     FAKE_KERNEL,
     commit_files,
@@ -172,7 +172,7 @@ def test_refuses_a_tree_not_built_from_the_series(series, tree, tmp_path):
 
 
 def test_cli_help_and_error_exit():
-    script = Path(__file__).resolve().parents[2] / "scripts" / "repack.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "ship" / "repack.py"
     helped = subprocess.run(
         [sys.executable, script, "--help"], capture_output=True, text=True
     )

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""The README's table of which patches each release's series carries.
+
+Patches are named by their number in the default series (patches/, on
+0.20.2), matched by subject: a series for another release renumbers the
+patches it keeps (0006 is 0003 on 0.33.0). A release whose series lacks a
+patch has it upstream there (REBASE.md of that series says why).
+
+  python3 scripts/keep/release_table.py  prints the table
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from lib.common import DEFAULT_SERIES, ForkError, main_guard, parser, rel
+from lib.series import Series, find_series, version_key
+
+BEGIN = "<!-- release table: scripts/keep/release_table.py writes this -->"
+END = "<!-- end of release table -->"
+
+
+def carried(
+    default: Series, series: Series, extra: dict[str, str] | None = None
+) -> list[str]:
+    """The default series' numbers of the patches `series` carries; a patch
+    of this release's own (a fix of a bug the default release does not
+    have) by its label in `extra` (default: `release_patches`)."""
+    numbers = {p.subject(): p.name[:4] for p in default.patches()}
+    if extra is None:
+        extra = release_patches(default, find_series())
+    found = []
+    for p in series.patches():
+        label = numbers.get(p.subject()) or extra.get(p.subject())
+        if label is None:
+            raise ForkError(
+                f"{rel(p.path)}: its subject is no patch of {rel(default.dir)}/ "
+                "nor of another release's series"
+            )
+        found.append(label)
+    return found
+
+
+def release_patches(default: Series, all_series: list[Series]) -> dict[str, str]:
+    """Patches that only other releases' series carry (upstream has a bug
+    there that the default release lacks), by subject: labelled R1, R2, ...
+    in the order of the oldest release that carries each."""
+    numbers = {p.subject() for p in default.patches()}
+    labels: dict[str, str] = {}
+    for s in sorted(all_series, key=lambda s: version_key(s.base().version)):
+        for p in s.patches():
+            if p.subject() not in numbers and p.subject() not in labels:
+                labels[p.subject()] = f"R{len(labels) + 1}"
+    return labels
+
+
+def table(all_series: list[Series] | None = None) -> str:
+    all_series = all_series or find_series()
+    default = all_series[0]
+    numbers = [p.name[:4] for p in default.patches()]
+    extra = release_patches(default, all_series)
+    rows = sorted(all_series, key=lambda s: version_key(s.base().version))
+    lines = [
+        "| release | series | " + " | ".join([*numbers, *extra.values()]) + " |",
+        "| --- | --- |" + " :-: |" * (len(numbers) + len(extra)),
+    ]
+    for s in rows:
+        have = set(carried(default, s, extra))
+        where = rel(s.dir) + "/"
+        cells = ["yes" if n in have else "upstream" for n in numbers]
+        cells += ["yes" if n in have else "-" for n in extra.values()]
+        lines.append(f"| {s.base().version} | `{where}` | " + " | ".join(cells) + " |")
+    if extra:
+        lines.append("")
+        lines += [f"{label}: {subject}" for subject, label in extra.items()]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser(__doc__).parse_args()
+    if not (DEFAULT_SERIES / "base.toml").is_file():
+        raise ForkError(f"{rel(DEFAULT_SERIES)}/base.toml not found")
+    sys.stdout.write(table() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    main_guard(main)
