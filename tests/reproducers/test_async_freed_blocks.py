@@ -1,0 +1,77 @@
+"""Reproducer for patch 0011: under async scheduling, a request's blocks go
+back to the pool only once the step in flight that computes it is done.
+
+With async scheduling, step N+1 is launched before step N's output is
+processed. A request that stops in step N (a stop token) was already
+scheduled in step N+1, whose forward, still running on the GPU, reads and
+writes its blocks. Releases before 0.24.0 free them as soon as step N is
+processed; the next schedule hands them to a request that hits the CPU
+cache, and SimpleCPUOffload's load, on its own stream, writes them
+unordered with that forward: the loaded KV, or the forward's, is garbled,
+silently (upstream defers the free from 0.24.0, vllm#45357). On a CPU the
+fake CUDA's happens-before checker (harness.fake_cuda) reports the pair.
+"""
+
+from __future__ import annotations
+
+from harness.engine import Engine, HarnessConfig
+
+BS = 16
+PREFIX = list(range(100, 100 + 4 * BS + 3))
+# Fills all but one block of the pool, so the load must reuse its blocks.
+LONG = list(range(5000, 5000 + 13 * BS))
+
+
+def run_stop_then_hit(async_scheduling: bool) -> tuple[Engine, set[int], set[int]]:
+    """PREFIX is computed and offloaded, then dropped from the GPU cache.
+    A long request stops on a token it samples; then PREFIX comes again,
+    hits the CPU cache, and is loaded into blocks the long one held.
+    Returns the engine, the long request's blocks and the loaded blocks."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=16,
+            num_cpu_blocks=64,
+            async_scheduling=async_scheduling,
+        )
+    )
+    e.add_request(PREFIX, max_tokens=2)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    long = e.add_request(LONG, max_tokens=40, stop_at=len(LONG) + 5)
+    for _ in range(4):
+        e.step()
+    (held,) = e.scheduler.kv_cache_manager.get_block_ids(long)
+    e.add_request(PREFIX + [7, 8], max_tokens=3)
+    e.run()
+    loaded = {
+        d for x in e.copy_backend.launched if not x["is_store"] for _, d in x["pairs"]
+    }
+    return e, set(held), loaded
+
+
+def load_races(e: Engine) -> list[str]:
+    """Unordered pairs in which a load takes part (a bare release before
+    0.24.0 also has unordered stores, which patch 0005 fixes)."""
+    return [
+        str(r)
+        for r in e.cuda.races
+        if "load" in (r.first.op.stream, r.second.op.stream)
+    ]
+
+
+def test_a_load_never_overwrites_blocks_a_step_in_flight_uses():
+    e, held, loaded = run_stop_then_hit(async_scheduling=True)
+    assert held & loaded, "the load reused the stopped request's blocks"
+    assert load_races(e) == []
+    assert e.runner.violations == []
+    assert e.stats.finished >= set(e.requests)
+
+
+def test_synchronous_scheduling_is_unchanged():
+    """Without async scheduling nothing is in flight when blocks are freed:
+    the free is immediate, and the same blocks are reused the same way."""
+    e, held, loaded = run_stop_then_hit(async_scheduling=False)
+    assert held & loaded
+    assert load_races(e) == []
+    assert not getattr(e.scheduler, "deferred_frees", ())
