@@ -23,21 +23,10 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.fetch import ensure_base
-from lib.common import (
-    CACHE,
-    DEFAULT_TREE,
-    TOOL_EMAIL,
-    ForkError,
-    git,
-    git_ok,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-    tool_identity_env,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import CACHE, DEFAULT_TREE, rel
+from lib.proc import TOOL_EMAIL, git, git_ok, run, tool_identity_env
 from lib.series import Base, Series, add_series_arguments, series_from_arguments
 
 MANAGED_KEY = "vllm-fork.managed"

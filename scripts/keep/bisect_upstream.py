@@ -39,20 +39,10 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.upstream_cut import CUT
-from lib.common import (
-    DEFAULT_SERIES,
-    ROOT,
-    WORK,
-    ForkError,
-    git,
-    git_ok,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, ROOT, WORK, rel
+from lib.proc import git, git_ok, run
 from lib.series import Patch, Series, version_key
 from lib.testenv import reproducer_verdicts
 from lib.venv import release_venv

@@ -38,7 +38,8 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 from keep import matrix
 from keep.fetch import fetch_git_commit, upstream_repo
 from keep.standin import STANDIN, build_standin
-from lib.common import CACHE, ROOT, WORK, main_guard, parser, rel, say, step
+from lib.cli import main_guard, parser, say, step
+from lib.paths import CACHE, ROOT, WORK, rel
 from lib.series import Base, Series, find_series
 from lib.testenv import reproducer_verdicts
 

@@ -23,19 +23,10 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from lib.common import (
-    CACHE,
-    ForkError,
-    git,
-    git_ok,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-    tool_identity_env,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import CACHE, rel
+from lib.proc import git, git_ok, run, tool_identity_env
 from lib.series import Base, add_series_arguments, series_from_arguments
 
 PYPI_SIMPLE = "https://pypi.org/simple/vllm/"

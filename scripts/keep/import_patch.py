@@ -38,21 +38,10 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from keep.apply import patch_ids, scratch_tree
 from keep.refresh import format_patches, series_commits
-from lib.common import (
-    DEFAULT_SERIES,
-    ROOT,
-    WORK,
-    ForkError,
-    git,
-    git_ok,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-    tool_identity_env,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, ROOT, WORK, rel
+from lib.proc import git, git_ok, run, tool_identity_env
 from lib.series import TRACKED_PATHS, Series, is_tracked
 
 MAIL_START = re.compile(r"^From ([0-9a-f]{40}) ", re.M)

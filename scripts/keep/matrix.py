@@ -41,20 +41,10 @@ from keep.rebase_replay import (
     replay_one,
 )
 from keep.resolutions import STORE, TREE_PORTS, gitdir, seed_conflicts, seed_ports
-from lib.common import (
-    CACHE,
-    DEFAULT_SERIES,
-    ROOT,
-    WORK,
-    ForkError,
-    git,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import CACHE, DEFAULT_SERIES, ROOT, WORK, rel
+from lib.proc import git, run
 from lib.series import BASE_FILE, Base, Series
 from lib.testenv import reproducer_verdicts
 from lib.venv import release_venv

@@ -99,24 +99,10 @@ from keep.resolutions import (
     seed_conflicts,
     seed_ports,
 )
-from lib.common import (
-    CACHE,
-    DEFAULT_SERIES,
-    DEFAULT_TREE,
-    OVERLAY,
-    ROOT,
-    WORK,
-    ForkError,
-    git,
-    git_ok,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-    tool_identity_env,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import CACHE, DEFAULT_SERIES, DEFAULT_TREE, OVERLAY, ROOT, WORK, rel
+from lib.proc import git, git_ok, run, tool_identity_env
 from lib.series import BASE_FILE, Base, Series, find_series, read_base, version_key
 
 # This module is the state machine and the CLI: start, advance, resume

@@ -23,7 +23,10 @@ from keep.rebase_report import REPORT, report, table
 from keep.rebase_state import State, cleanup, state_file
 from keep.refresh import format_patches
 from keep.resolutions import prune, save_conflict, save_port, used_conflicts
-from lib.common import ForkError, git, rel, run, say
+from lib.cli import say
+from lib.errors import ForkError
+from lib.paths import rel
+from lib.proc import git, run
 from lib.series import BASE_FILE, Series
 
 

@@ -29,7 +29,9 @@ from keep.resolutions import (
     patch_paths,
     stale_port,
 )
-from lib.common import ForkError, git, git_ok, rel, run, tool_identity_env
+from lib.errors import ForkError
+from lib.paths import rel
+from lib.proc import git, git_ok, run, tool_identity_env
 from lib.series import Base, Series
 
 CLEAN, MERGED, UPSTREAM, CONFLICT, PENDING = (

@@ -16,7 +16,8 @@ from keep.apply import make_hint
 from keep.rebase_replay import CONFLICT
 from keep.rebase_state import Entry, State
 from keep.resolutions import PORT_DIFF, USED_LINE
-from lib.common import ForkError, rel
+from lib.errors import ForkError
+from lib.paths import rel
 from lib.series import Base
 
 REPORT = "REBASE.md"

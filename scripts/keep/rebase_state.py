@@ -18,7 +18,9 @@ from pathlib import Path
 from keep.apply import REBASE_STATE
 from keep.rebase_replay import OLD_SERIES_REF, PENDING
 from keep.resolutions import gitdir
-from lib.common import DEFAULT_SERIES, ForkError, git, git_ok, rel
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, rel
+from lib.proc import git, git_ok
 from lib.series import Base
 
 SNAPSHOT = "vllm-fork-rebase"  # in the tree's .git: the patches being replayed

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from keep.rebase_replay import CLEAN, MERGED, committer_env
 from keep.rebase_state import Entry, State
-from lib.common import git, run, step
+from lib.cli import step
+from lib.proc import git, run
 from lib.series import Base
 from lib.testenv import Verdict, reproducer_verdicts
 

@@ -19,17 +19,10 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.apply import OVERLAY_SUBJECT, check_clean, init_tree
-from lib.common import (
-    DEFAULT_TREE,
-    ForkError,
-    git,
-    git_ok,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-)
+from lib.cli import main_guard, parser, say
+from lib.errors import ForkError
+from lib.paths import DEFAULT_TREE, rel
+from lib.proc import git, git_ok, run
 from lib.series import Series, add_series_arguments, series_from_arguments
 
 # format-patch output must not depend on the user's git configuration.

@@ -17,7 +17,9 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from lib.common import DEFAULT_SERIES, ForkError, main_guard, parser, rel
+from lib.cli import main_guard, parser
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, rel
 from lib.series import Series, find_series, version_key
 
 BEGIN = "<!-- release table: scripts/keep/release_table.py writes this -->"

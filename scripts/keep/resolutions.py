@@ -32,7 +32,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from lib.common import DEFAULT_SERIES, ForkError, git, git_ok, rel, run
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, rel
+from lib.proc import git, git_ok, run
 
 STORE = DEFAULT_SERIES / "resolutions"
 RERERE = "rerere"

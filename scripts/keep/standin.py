@@ -28,19 +28,10 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.fetch import ensure_base
-from lib.common import (
-    CACHE,
-    WORK,
-    ForkError,
-    git,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-    tool_identity_env,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import CACHE, WORK, rel
+from lib.proc import git, run, tool_identity_env
 from lib.series import Series, find_series, version_key
 
 STANDIN = WORK / "upstream" / "standin.git"

@@ -43,18 +43,10 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.standin import STANDIN, build_standin
-from lib.common import (
-    ROOT,
-    WORK,
-    ForkError,
-    git,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import ROOT, WORK, rel
+from lib.proc import git, run
 from lib.series import Series, find_series, version_key
 from lib.testenv import pytest_cmd, tree_env
 from lib.venv import VENV, pip_install, release_venv

@@ -9,7 +9,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from lib.common import DEFAULT_SERIES, OVERLAY, ForkError, rel
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, OVERLAY, rel
 
 BASE_FILE = "base.toml"
 BASE_KEYS = ("version", "sdist_url", "sdist_sha256", "git_url", "git_ref", "git_commit")

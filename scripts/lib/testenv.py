@@ -20,7 +20,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from lib.common import ROOT, WORK, run
+from lib.paths import ROOT, WORK
+from lib.proc import run
 
 UPSTREAM_ENV = ROOT / "tests" / "upstream_env"
 HF_CONFIGS = UPSTREAM_ENV / "hf_configs"

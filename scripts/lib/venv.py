@@ -23,7 +23,10 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from lib.common import ROOT, WORK, ForkError, main_guard, parser, rel, run, say, step
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import ROOT, WORK, rel
+from lib.proc import run
 
 VENV = Path(os.environ.get("VLLM_FORK_VENV", ROOT / ".venv"))
 # Test environments for releases whose requirements .venv does not meet.

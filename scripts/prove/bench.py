@@ -24,7 +24,9 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.apply import apply_series, checkout_base
-from lib.common import DEFAULT_SERIES, ROOT, WORK, ForkError, main_guard, parser, say
+from lib.cli import main_guard, parser, say
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, ROOT, WORK
 from lib.series import Series
 from lib.testenv import tree_env
 from lib.venv import series_venv

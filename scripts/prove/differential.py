@@ -57,7 +57,8 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.apply import apply_series, checkout_base
-from lib.common import DEFAULT_SERIES, ROOT, WORK, main_guard, parser, rel
+from lib.cli import main_guard, parser
+from lib.paths import DEFAULT_SERIES, ROOT, WORK, rel
 from lib.series import Series, find_series, version_key
 from lib.venv import release_venv, series_venv
 from prove.worker_client import Worker

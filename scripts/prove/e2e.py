@@ -44,7 +44,10 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from lib.common import ROOT, WORK, ForkError, main_guard, parser, rel, run, say, step
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import ROOT, WORK, rel
+from lib.proc import run
 from lib.series import Series, default_and_newest, find_series
 from prove.e2e_judge import Row, Scenario, judge, named_reproducers, verdict
 from prove.e2e_server import Server, read_json_lines

@@ -20,7 +20,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from lib.common import ROOT, ForkError, free_port, rel
+from lib.errors import ForkError
+from lib.paths import ROOT, rel
+from lib.proc import free_port
 from lib.testenv import tree_env
 
 MODEL_DIR = ROOT / "tests" / "harness" / "model"

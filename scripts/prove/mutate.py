@@ -44,18 +44,10 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.apply import apply_series, checkout_base
-from lib.common import (
-    DEFAULT_SERIES,
-    ROOT,
-    WORK,
-    ForkError,
-    git,
-    git_ok,
-    main_guard,
-    parser,
-    rel,
-    run,
-)
+from lib.cli import main_guard, parser
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, ROOT, WORK, rel
+from lib.proc import git, git_ok, run
 from lib.series import Series, default_and_newest, find_series
 from lib.testenv import tree_env
 from lib.venv import series_venv

@@ -33,7 +33,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from lib.common import ROOT, WORK, ForkError, free_port, git, rel, run
+from lib.errors import ForkError
+from lib.paths import ROOT, WORK, rel
+from lib.proc import free_port, git, run
 from lib.testenv import tree_env
 
 COSMIC_RAY = "cosmic-ray==8.7.0"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keep.apply import apply_series, checkout_base
-from lib.common import WORK
+from lib.paths import WORK
 from lib.series import Series
 
 

@@ -40,18 +40,11 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.refresh import refresh_series
-from lib.common import (
-    ROOT,
-    WORK,
-    ForkError,
-    git,
-    main_guard,
-    parser,
-    rel,
-    say,
-    step,
-)
-from lib.common import run as run_cmd
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import ROOT, WORK, rel
+from lib.proc import git
+from lib.proc import run as run_cmd
 from lib.series import TRACKED_PATHS, Series, default_and_newest, find_series
 from lib.testenv import count, read_junit, run_pytest
 from lib.venv import VENV, ensure_venv, release_venv

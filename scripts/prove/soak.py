@@ -40,7 +40,9 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.apply import apply_series, checkout_base
-from lib.common import DEFAULT_SERIES, ROOT, WORK, ForkError, main_guard, parser, rel
+from lib.cli import main_guard, parser
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, ROOT, WORK, rel
 from lib.series import Series
 from lib.venv import series_venv
 from prove import differential

@@ -31,7 +31,9 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.release_table import carried
-from lib.common import WORK, ForkError, main_guard, parser, rel, say, step
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import WORK, rel
 from lib.series import Series, find_series, series_for_version, version_key
 from prove.run_tests import build_env, prepare, release_env, reproducers, upstream_tests
 

@@ -14,7 +14,8 @@ import subprocess
 import threading
 from pathlib import Path
 
-from lib.common import ROOT, ForkError, rel
+from lib.errors import ForkError
+from lib.paths import ROOT, rel
 from lib.testenv import tree_env
 
 

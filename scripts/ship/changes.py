@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keep.apply import apply_series, check_clean, head_fingerprint
-from lib.common import WORK, ForkError, git, git_bytes, rel
+from lib.errors import ForkError
+from lib.paths import WORK, rel
+from lib.proc import git, git_bytes
 from lib.series import Series
 
 PACKAGE_DIR = "vllm/"

@@ -39,17 +39,9 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from lib.common import (
-    DIST,
-    ROOT,
-    ForkError,
-    fresh_output_dir,
-    main_guard,
-    parser,
-    rel,
-    say,
-    step,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import DIST, ROOT, fresh_output_dir, rel
 from lib.series import Series, add_series_arguments, series_from_arguments
 from ship.changes import (
     PackageChanges,

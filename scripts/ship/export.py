@@ -52,22 +52,10 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from keep.apply import apply_series
 from keep.refresh import format_patches
-from lib.common import (
-    DEFAULT_SERIES,
-    DEFAULT_TREE,
-    DIST,
-    WORK,
-    ForkError,
-    fresh_output_dir,
-    git,
-    git_ok,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, DEFAULT_TREE, DIST, WORK, fresh_output_dir, rel
+from lib.proc import git, git_ok, run
 from lib.series import Patch, Series, find_series
 from lib.venv import TEST_REQS, VENV, pip_install, release_venv
 from ship import export_checks

@@ -30,7 +30,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lib.common import ROOT, WORK, ForkError, git, rel, run, step
+from lib.cli import step
+from lib.errors import ForkError
+from lib.paths import ROOT, WORK, rel
+from lib.proc import git, run
 from lib.series import Patch, Series
 from lib.testenv import (
     exception_type,

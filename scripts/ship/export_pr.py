@@ -15,7 +15,7 @@ import ast
 import json
 import re
 
-from lib.common import ROOT, WORK, rel
+from lib.paths import ROOT, WORK, rel
 from lib.series import TRAILER_RE, Patch
 
 # make e2e's runs as data (make test's short run: e2e-short.json).

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lib.common import git, git_ok, run
+from lib.proc import git, git_ok, run
 from lib.series import FORK_TRAILERS, TRAILER_RE, Patch
 
 

@@ -50,21 +50,10 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from lib.common import (
-    CACHE,
-    DEFAULT_SERIES,
-    DIST,
-    ROOT,
-    WORK,
-    ForkError,
-    fresh_output_dir,
-    main_guard,
-    parser,
-    rel,
-    run,
-    say,
-    step,
-)
+from lib.cli import main_guard, parser, say, step
+from lib.errors import ForkError
+from lib.paths import CACHE, DEFAULT_SERIES, DIST, ROOT, WORK, fresh_output_dir, rel
+from lib.proc import run
 from lib.series import Series
 from lib.testenv import build_hf_cache
 from lib.venv import DEFAULT_TORCH, TEST_REQS, adapted_requirements, ensure_venv

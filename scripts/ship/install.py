@@ -23,7 +23,10 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from lib.common import CACHE, DEFAULT_TREE, ForkError, main_guard, parser, rel, run, say
+from lib.cli import main_guard, parser, say
+from lib.errors import ForkError
+from lib.paths import CACHE, DEFAULT_TREE, rel
+from lib.proc import run
 from lib.venv import VENV, ensure_venv, pip_install
 
 

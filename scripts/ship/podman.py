@@ -13,7 +13,10 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lib.common import CACHE, ForkError, rel, run, say, step
+from lib.cli import say, step
+from lib.errors import ForkError
+from lib.paths import CACHE, rel
+from lib.proc import run
 
 PODMAN_CONF = CACHE / "podman" / "containers.conf"
 # Without it, every RUN fails here: "setrlimit RLIMIT_NOFILE: Operation not

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from keep.apply import scratch_tree
-from lib.common import DEFAULT_SERIES
+from lib.paths import DEFAULT_SERIES
 from lib.series import Base, Series
 from shipenv import Env, build_upstream_like_wheel
 

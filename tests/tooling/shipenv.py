@@ -17,7 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from lib.common import ROOT, git, git_bytes
+from lib.paths import ROOT
+from lib.proc import git, git_bytes
 from lib.series import Series
 from lib.testenv import package_env, pytest_cmd, read_junit
 

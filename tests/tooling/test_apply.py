@@ -7,7 +7,7 @@ from conftest import UPSTREAM_FILES, Upstream, git, make_sdist, sha256
 
 from keep.apply import apply_series, checkout_base
 from keep.refresh import refresh_series
-from lib.common import ForkError
+from lib.errors import ForkError
 from lib.series import Base
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from lib.common import OUTPUT_MARKER, ROOT, ForkError
+from lib.errors import ForkError
+from lib.paths import OUTPUT_MARKER, ROOT
 from ship.changes import base_content, package_changes, sha256_hex
 from ship.container import (
     BASE_ARG,

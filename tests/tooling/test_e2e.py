@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lib.common import ROOT, ForkError
+from lib.errors import ForkError
+from lib.paths import ROOT
 from lib.series import Series
 from prove.e2e import scenarios
 from prove.e2e_judge import REPRODUCERS, Row, judge, named_reproducers, verdict

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lib.common import DEFAULT_SERIES
+from lib.paths import DEFAULT_SERIES
 from lib.series import Patch, find_series
 from prove import mutate, mutate_operators
 from prove.mutate_operators import DATA, EXCLUDED_OPERATORS, VENV, claim_holds_on

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from keep.refresh import format_patches
-from lib.common import ROOT, ForkError, git, git_ok
+from lib.errors import ForkError
+from lib.paths import ROOT
+from lib.proc import git, git_ok
 from lib.series import FORK_TRAILERS, Series
 from ship import export_pr
 from ship.export import export_series

@@ -6,7 +6,7 @@ import pytest
 from conftest import Upstream, git
 
 from keep.fetch import ensure_base, ensure_sdist, sdist_path
-from lib.common import ForkError
+from lib.errors import ForkError
 from lib.series import Base, read_base
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from lib.common import ROOT, ForkError
+from lib.errors import ForkError
+from lib.paths import ROOT
 from lib.testenv import read_junit
 from ship import image, image_check, podman
 from ship.container import (

@@ -12,7 +12,9 @@ import pytest
 from keep.apply import scratch_tree
 from keep.import_patch import import_change, mails_from_repo, parse_mails
 from keep.refresh import refresh_series
-from lib.common import ROOT, ForkError, git
+from lib.errors import ForkError
+from lib.paths import ROOT
+from lib.proc import git
 from lib.series import Patch, Series, is_tracked
 from shipenv import blob_text, commit_files, shared_clone
 

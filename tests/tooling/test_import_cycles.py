@@ -113,13 +113,13 @@ def test_imports_from_a_package_are_found(tmp_path):
     for pkg in ("lib", "keep"):
         (tmp_path / pkg).mkdir()
         (tmp_path / pkg / "__init__.py").write_text("")
-    (tmp_path / "lib" / "common.py").write_text("import json\n")
+    (tmp_path / "lib" / "paths.py").write_text("import json\n")
     (tmp_path / "keep" / "apply.py").write_text(
-        "from lib.common import ROOT\nfrom keep import fetch\n"
+        "from lib.paths import ROOT\nfrom keep import fetch\n"
     )
     (tmp_path / "keep" / "fetch.py").write_text("def f():\n    import keep.apply\n")
     graph = import_graph(tmp_path)
-    assert graph["keep.apply"] == {"lib.common", "keep.fetch"}
+    assert graph["keep.apply"] == {"lib.paths", "keep.fetch"}
     assert graph["keep.fetch"] == {"keep.apply"}
-    assert graph["lib"] == graph["keep"] == graph["lib.common"] == set()
+    assert graph["lib"] == graph["keep"] == graph["lib.paths"] == set()
     assert find_cycle(graph) == ["keep.apply", "keep.fetch", "keep.apply"]

@@ -21,7 +21,7 @@ from conftest import LINES, NEW_RELEASE, REPRODUCER, UPSTREAM_FILES, Upstream, g
 
 from keep import rebase, rebase_replay, rebase_state
 from keep.apply import apply_series
-from lib.common import ForkError
+from lib.errors import ForkError
 from lib.series import Series
 
 CONFLICT_RE = re.compile(r"^<<<<<<< .*?^>>>>>>> [^\n]*\n", re.M | re.S)

@@ -11,7 +11,7 @@ import pytest
 
 from keep import rebase
 from keep.resolutions import STORE, check_store
-from lib.common import DEFAULT_SERIES, OVERLAY
+from lib.paths import DEFAULT_SERIES, OVERLAY
 from lib.series import Series, read_base
 
 COMMITTED = DEFAULT_SERIES / "v0.33.0"

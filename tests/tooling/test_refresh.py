@@ -7,7 +7,7 @@ from conftest import Upstream, git
 
 from keep.apply import apply_series
 from keep.refresh import refresh_series
-from lib.common import ForkError
+from lib.errors import ForkError
 
 
 def snapshot(up: Upstream) -> dict[str, bytes]:

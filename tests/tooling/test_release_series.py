@@ -11,7 +11,8 @@ import pytest
 
 from keep import release_table
 from lib import series as series_module
-from lib.common import ROOT, ForkError
+from lib.errors import ForkError
+from lib.paths import ROOT
 from lib.series import Series, default_and_newest, find_series, series_for_version
 from prove import test_releases
 

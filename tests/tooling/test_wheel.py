@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from lib.common import ForkError, git
+from lib.errors import ForkError
+from lib.proc import git
 from lib.series import Series
 from ship.changes import package_changes
 from ship.install import upstream_wheel

@@ -1,0 +1,51 @@
+"""A script's command line: messages on stderr, the argument parser, and the
+entry point that turns a ForkError into a message and an exit status."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+from lib.errors import ForkError
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def step(msg: str) -> None:
+    say(f"==> {msg}")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main_guard(fn: Callable[[], int | None]) -> None:
+    """Run a CLI entry point: ForkError becomes a one-paragraph message."""
+    start = time.monotonic()
+    # A SIGTERM (a CI timeout, kill) unwinds like Ctrl-C, so that what a
+    # script started (servers, worktrees) is stopped on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        code = fn() or 0
+    except ForkError as e:
+        say(f"error: {e}")
+        code = 1
+    except KeyboardInterrupt:
+        say("interrupted")
+        code = 130
+    if os.environ.get("VLLM_FORK_TIMING"):
+        say(f"({time.monotonic() - start:.1f}s)")
+    sys.exit(code)
