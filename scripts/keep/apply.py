@@ -365,14 +365,8 @@ def checkout_base(series: Series, tree: Path, cache: Path = CACHE) -> None:
 
 
 def main() -> int:
-    p = parser(__doc__)
+    p = parser(__doc__, tree="checkout to build")
     add_series_arguments(p)
-    p.add_argument(
-        "--tree",
-        type=Path,
-        default=DEFAULT_TREE,
-        help="checkout to build (default: vllm/)",
-    )
     p.add_argument(
         "--source",
         choices=("sdist", "git"),

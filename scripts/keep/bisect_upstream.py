@@ -41,7 +41,7 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 from keep.upstream_cut import CUT
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
-from lib.paths import DEFAULT_SERIES, ROOT, WORK, rel
+from lib.paths import ROOT, WORK, rel
 from lib.proc import git, git_ok, run
 from lib.series import Patch, Series, version_key
 from lib.testenv import reproducer_verdicts
@@ -244,9 +244,8 @@ def probe_main(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    p = parser(__doc__)
+    p = parser(__doc__, series="series the patch is in")
     p.add_argument("--patch", help="the patch's number, e.g. 0008")
-    p.add_argument("--series", type=Path, default=DEFAULT_SERIES)
     p.add_argument("--cut", type=Path, default=CUT, help=f"default: {rel(CUT)}")
     # Used by git bisect run (one step), not by hand.
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)

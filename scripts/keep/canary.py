@@ -37,7 +37,7 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from keep import matrix
 from keep.fetch import fetch_git_commit, upstream_repo
-from keep.standin import STANDIN, build_standin
+from keep.standin import STANDIN, upstream_or_standin
 from lib.cli import main_guard, parser, say, step
 from lib.paths import CACHE, ROOT, WORK, rel
 from lib.series import Base, Series, find_series
@@ -181,12 +181,7 @@ def main() -> int:
     )
     args = p.parse_args()
     series = Series(args.series.resolve()) if args.series else find_series()[-1]
-    source = args.upstream
-    if not source:
-        if not STANDIN.exists():
-            step("no UPSTREAM given: building the stand-in history first")
-            build_standin()
-        source = str(STANDIN)
+    source = upstream_or_standin(args.upstream)
     step(f"canary: {rel(series.dir)}/ on {source} {args.ref}")
     result = canary(series, source, args.ref)
     say("")

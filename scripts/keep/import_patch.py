@@ -40,7 +40,7 @@ from keep.apply import patch_ids, scratch_tree
 from keep.refresh import format_patches, series_commits
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
-from lib.paths import DEFAULT_SERIES, ROOT, WORK, rel
+from lib.paths import ROOT, WORK, rel
 from lib.proc import git, git_ok, run, tool_identity_env
 from lib.series import TRACKED_PATHS, Series, is_tracked
 
@@ -335,18 +335,12 @@ def import_change(
 
 
 def main() -> int:
-    p = parser(__doc__)
+    p = parser(__doc__, series="series to add the patch to")
     p.add_argument(
         "source",
         help="an mbox or .patch file; with --repo, a commit or a range A..B",
     )
     p.add_argument("--repo", type=Path, help="a local clone of vLLM")
-    p.add_argument(
-        "--series",
-        type=Path,
-        default=DEFAULT_SERIES,
-        help="series to add the patch to (default: patches/)",
-    )
     p.add_argument(
         "--reproducer",
         action="append",

@@ -43,7 +43,7 @@ from keep.rebase_replay import (
 from keep.resolutions import STORE, TREE_PORTS, gitdir, seed_conflicts, seed_ports
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
-from lib.paths import CACHE, DEFAULT_SERIES, ROOT, WORK, rel
+from lib.paths import CACHE, ROOT, WORK, rel
 from lib.proc import git, run
 from lib.series import BASE_FILE, Base, Series
 from lib.testenv import reproducer_verdicts
@@ -234,13 +234,7 @@ def markdown(matrix: dict) -> str:
 
 
 def main() -> int:
-    p = parser(__doc__)
-    p.add_argument(
-        "--series",
-        type=Path,
-        default=DEFAULT_SERIES,
-        help="series to measure (default: patches/)",
-    )
+    p = parser(__doc__, series="series to measure")
     p.add_argument(
         "--releases",
         default=",".join(RELEASES),

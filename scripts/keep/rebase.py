@@ -443,7 +443,7 @@ def unsaved_resolution(tree: Path) -> str | None:
 
 
 def main() -> int:
-    p = parser(__doc__)
+    p = parser(__doc__, tree="checkout to replay in")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--base", help="the new release (0.33.0) or a git ref")
     what.add_argument(
@@ -474,12 +474,6 @@ def main() -> int:
         "--into",
         type=Path,
         help="where the new series goes (default: patches/v<new version>/)",
-    )
-    p.add_argument(
-        "--tree",
-        type=Path,
-        default=DEFAULT_TREE,
-        help="checkout to replay in (default: vllm/)",
     )
     args = p.parse_args()
     tree = args.tree.resolve()

@@ -138,14 +138,8 @@ def refresh_series(series: Series, tree: Path = DEFAULT_TREE) -> dict[str, list[
 
 
 def main() -> int:
-    p = parser(__doc__)
+    p = parser(__doc__, tree="patched checkout to read")
     add_series_arguments(p)
-    p.add_argument(
-        "--tree",
-        type=Path,
-        default=DEFAULT_TREE,
-        help="patched checkout to read (default: vllm/)",
-    )
     args = p.parse_args()
     series = series_from_arguments(args)
     changes = refresh_series(series, args.tree.resolve())

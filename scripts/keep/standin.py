@@ -90,6 +90,17 @@ def build_standin(
     return out
 
 
+def upstream_or_standin(upstream: str | None) -> str:
+    """The history a command reads: the clone or URL given (UPSTREAM=), or
+    the stand-in, built on first use."""
+    if upstream:
+        return upstream
+    if not STANDIN.exists():
+        step("no UPSTREAM given: building the stand-in history first")
+        build_standin()
+    return str(STANDIN)
+
+
 def main() -> int:
     p = parser(__doc__)
     p.add_argument(

@@ -42,7 +42,7 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from keep.standin import STANDIN, build_standin
+from keep.standin import STANDIN, upstream_or_standin
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
 from lib.paths import ROOT, WORK, rel
@@ -246,12 +246,7 @@ def main() -> int:
     )
     p.add_argument("--out", type=Path, default=CUT, help=f"default: {rel(CUT)}")
     args = p.parse_args()
-    source = args.upstream
-    if not source:
-        if not STANDIN.exists():
-            step("no UPSTREAM given: building the stand-in history first")
-            build_standin()
-        source = str(STANDIN)
+    source = upstream_or_standin(args.upstream)
     step(f"cutting {source} into {rel(args.out)}")
     r = make_cut(source, args.out.resolve(), tags=args.closure_at, keep=args.keep)
     b, a = r["before"], r["after"]

@@ -9,8 +9,10 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from lib.errors import ForkError
+from lib.paths import DEFAULT_SERIES, DEFAULT_TREE
 
 
 def say(msg: str) -> None:
@@ -21,11 +23,29 @@ def step(msg: str) -> None:
     say(f"==> {msg}")
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
+def parser(
+    description: str, *, series: str | None = None, tree: str | None = None
+) -> argparse.ArgumentParser:
+    """A script's argument parser: `description` (its docstring) printed by
+    --help as written, and the two options most scripts take, each added
+    when the script says what it is for: --series DIR (default: patches/)
+    and --tree DIR (default: vllm/)."""
+    p = argparse.ArgumentParser(
         description=description,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    if series is not None:
+        p.add_argument(
+            "--series",
+            type=Path,
+            default=DEFAULT_SERIES,
+            help=f"{series} (default: patches/)",
+        )
+    if tree is not None:
+        p.add_argument(
+            "--tree", type=Path, default=DEFAULT_TREE, help=f"{tree} (default: vllm/)"
+        )
+    return p
 
 
 def _interrupt(signum: int, frame: object) -> None:

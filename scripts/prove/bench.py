@@ -83,8 +83,7 @@ def list_benchmarks(python: Path, tree: Path) -> list[str]:
 
 
 def main() -> int:
-    p = parser(__doc__)
-    p.add_argument("--series", type=Path, default=DEFAULT_SERIES)
+    p = parser(__doc__, series="series to time against its base")
     p.add_argument("--rounds", type=int, default=41, help="runs per tree (default 41)")
     p.add_argument(
         "--only", action="append", help="run benchmarks whose name contains this"

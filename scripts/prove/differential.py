@@ -428,8 +428,7 @@ def newest_bare_release() -> tuple[Path, Path]:
 
 
 def main() -> int:
-    p = parser(__doc__)
-    p.add_argument("--series", type=Path, default=DEFAULT_SERIES)
+    p = parser(__doc__, series="series to compare with its base")
     p.add_argument("--seeds", type=int, default=300, help="traces (default 300)")
     p.add_argument("--first-seed", type=int, default=0, help="first trace seed")
     p.add_argument(

@@ -77,22 +77,11 @@ SILENT = ("unordered_stores", "lost_cpu_blocks")
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     total: dict[str, Any] = {"runs": len(runs), "crashed": 0, "crash": None}
     sites: dict[str, int] = {}
+    # Every problem but a crash (counted above, with the first one) is summed.
     sums = (
-        "steps",
-        "requests",
-        "completed",
-        "aborted",
-        "preemptions",
-        "violation_steps",
-        "content_violations",
-        "unordered_stores",
-        "lost_cpu_blocks",
-        "leaked_gpu_blocks",
-        "leaked_cpu_blocks",
-        "pinned_cpu_hits",
-        "unfinished",
-        "wall_seconds",
-        "scheduler_seconds",
+        *("steps", "requests", "completed", "aborted", "preemptions"),
+        *(p for p in PROBLEMS if p != "crashed"),
+        *("wall_seconds", "scheduler_seconds"),
     )
     for r in runs:
         for key in sums:
@@ -378,13 +367,7 @@ def progress_bar(total: int):
 
 
 def main() -> int:
-    p = parser(__doc__)
-    p.add_argument(
-        "--series",
-        type=Path,
-        default=DEFAULT_SERIES,
-        help="series to soak (default: patches/)",
-    )
+    p = parser(__doc__, series="series to soak")
     p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     p.add_argument("--vary", action="store_true", help="use a random first seed")
     p.add_argument(

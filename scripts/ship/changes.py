@@ -9,6 +9,7 @@ only reach users through a CUDA build, which is what shipping avoids.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,16 @@ class PackageChanges:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def add_ship_tree_argument(p: argparse.ArgumentParser) -> None:
+    """--tree, as ship_tree reads it (make wheel, overlay and image)."""
+    p.add_argument(
+        "--tree",
+        type=Path,
+        help="patched tree to take the files from; must be built from the series "
+        "(default: build .work/v<version>/series)",
+    )
 
 
 def ship_tree(series: Series, tree: Path | None = None) -> Path:

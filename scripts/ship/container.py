@@ -45,6 +45,7 @@ from lib.paths import DIST, ROOT, fresh_output_dir, rel
 from lib.series import Series, add_series_arguments, series_from_arguments
 from ship.changes import (
     PackageChanges,
+    add_ship_tree_argument,
     base_content,
     package_changes,
     patched_content,
@@ -260,12 +261,7 @@ def check_context(context: Path, version: str) -> list[str]:
 def main() -> int:
     p = parser(__doc__)
     add_series_arguments(p)
-    p.add_argument(
-        "--tree",
-        type=Path,
-        help="patched tree to take the files from; must be built from the series "
-        "(default: build .work/v<version>/series)",
-    )
+    add_ship_tree_argument(p)
     p.add_argument(
         "--out",
         type=Path,

@@ -50,14 +50,15 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from keep.fetch import sha256_file
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
-from lib.paths import CACHE, DEFAULT_SERIES, DIST, ROOT, WORK, fresh_output_dir, rel
+from lib.paths import CACHE, DIST, ROOT, WORK, fresh_output_dir, rel
 from lib.proc import run
 from lib.series import Series
 from lib.testenv import build_hf_cache
 from lib.venv import DEFAULT_TORCH, TEST_REQS, adapted_requirements, ensure_venv
-from ship.changes import ship_tree
+from ship.changes import add_ship_tree_argument, ship_tree
 from ship.container import (
     BASE_ARG,
     IN_IMAGE,
@@ -105,14 +106,6 @@ TORCH_DIRS = (CACHE / "wheels", Path("/opt/wheels"))
 def short_hash(data: object) -> str:
     text = json.dumps(data, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def download_args(python: str, glibc: str) -> list[str]:
@@ -431,19 +424,8 @@ def check_summary(output: str) -> str:
 
 
 def main() -> int:
-    p = parser(__doc__)
-    p.add_argument(
-        "--series",
-        type=Path,
-        default=DEFAULT_SERIES,
-        help="series directory (default: patches/)",
-    )
-    p.add_argument(
-        "--tree",
-        type=Path,
-        help="patched tree to take the files from (default: build "
-        ".work/v<version>/series, as make overlay does)",
-    )
+    p = parser(__doc__, series="series directory")
+    add_ship_tree_argument(p)
     p.add_argument(
         "--storage-driver",
         choices=("auto", *STORAGE_DRIVERS),

@@ -25,7 +25,7 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from lib.cli import main_guard, parser, say
 from lib.errors import ForkError
-from lib.paths import CACHE, DEFAULT_TREE, rel
+from lib.paths import CACHE, rel
 from lib.proc import run
 from lib.venv import VENV, ensure_venv, pip_install
 
@@ -94,13 +94,7 @@ def install_env(device: str, tree: Path) -> tuple[Path, dict[str, str]]:
 
 
 def main() -> int:
-    p = parser(__doc__)
-    p.add_argument(
-        "--tree",
-        type=Path,
-        default=DEFAULT_TREE,
-        help="patched checkout to install (default: vllm/)",
-    )
+    p = parser(__doc__, tree="patched checkout to install")
     p.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),

@@ -36,6 +36,7 @@ from lib.paths import DIST, rel
 from lib.series import Series, add_series_arguments, series_from_arguments
 from ship.changes import (
     PackageChanges,
+    add_ship_tree_argument,
     base_content,
     package_changes,
     patched_content,
@@ -366,12 +367,7 @@ def build_wheel(
 def main() -> int:
     p = parser(__doc__)
     add_series_arguments(p)
-    p.add_argument(
-        "--tree",
-        type=Path,
-        help="patched tree to take the files from; must be built from the series "
-        "(default: build .work/v<version>/series)",
-    )
+    add_ship_tree_argument(p)
     p.add_argument(
         "--upstream-wheel",
         type=Path,

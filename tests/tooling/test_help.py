@@ -1,4 +1,4 @@
-"""Every script answers --help."""
+"""Every script answers --help, and the options most of them share."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from lib.cli import parser
+from lib.paths import DEFAULT_SERIES, DEFAULT_TREE
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 CLIS = sorted(
@@ -38,3 +41,11 @@ def test_help(script):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage:")
     assert len(proc.stdout.splitlines()) > 3
+
+
+def test_the_shared_options_are_added_when_asked_for():
+    args = parser("what it does", series="series to x", tree="tree to y").parse_args([])
+    assert (args.series, args.tree) == (DEFAULT_SERIES, DEFAULT_TREE)
+    assert vars(parser("what it does").parse_args([])) == {}
+    helped = parser("what it does", tree="checkout to build").format_help()
+    assert "checkout to build (default: vllm/)" in helped
