@@ -1,14 +1,19 @@
 """The scripts import one another without a cycle, and each job's package
 imports only the layers below it: a module imported halfway through its own
 import sees its names missing, and a cycle hidden in a function-level import
-only breaks when that function first runs."""
+only breaks when that function first runs. docs/architecture.md's table and
+diagram of the imports are checked against them."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+ARCHITECTURE = SCRIPTS.parent / "docs" / "architecture.md"
+# A row of the page's import table: | `keep.apply` | `keep.fetch` | `cli`, ... |
+ROW = r"(?m)^\| `((?:lib|keep|prove|ship)\.\w+)` \| (.*) \| (.*) \|$"
 # What each package may import (docs/architecture.md): the shared library at
 # the bottom, then keep the series, prove it, ship it.
 MAY_IMPORT = {
@@ -96,6 +101,32 @@ def test_every_module_is_in_a_job_and_imports_only_the_layers_below():
         if n.split(".")[0] not in MAY_IMPORT[m.split(".")[0]]
     )
     assert not upward, "imports of a layer above: " + ", ".join(upward)
+
+
+def test_the_architecture_page_shows_the_imports():
+    """docs/architecture.md's table is every module's imports, and its
+    diagram's solid arrows are exactly the imports between the jobs' modules."""
+    graph = {m: deps for m, deps in import_graph().items() if "." in m}
+    page = ARCHITECTURE.read_text()
+    table = {}
+    for m, jobs, lib in re.findall(ROW, page):
+        table[m] = set(re.findall(r"`([\w.]+)`", jobs)) | {
+            f"lib.{n}" for n in re.findall(r"`(\w+)`", lib)
+        }
+    assert table == graph, "docs/architecture.md's import table differs"
+    diagram = page[page.index("```mermaid") :]
+    diagram = diagram[: diagram.index("\n```\n")]
+    arrows = set(re.findall(r"(?m)^\s*(\w+) --> (\w+)$", diagram))
+    imports = {
+        (m.split(".")[1], n.split(".")[1])
+        for m, deps in graph.items()
+        for n in deps
+        if not n.startswith("lib.")
+    }
+    assert arrows == imports, (
+        f"arrows not imported: {sorted(arrows - imports)}; "
+        f"imports with no arrow: {sorted(imports - arrows)}"
+    )
 
 
 def test_a_cycle_through_a_function_level_import_is_found(tmp_path):
