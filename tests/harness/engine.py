@@ -434,13 +434,14 @@ def worker_step(
         with cuda.active():
             worker.handle_preemptions(so.kv_connector_metadata)
             worker.bind_connector_metadata(so.kv_connector_metadata)
-            # Sync loads feed this step's forward (0.30+); others start
-            # after it is launched.
-            sync_loads = getattr(so, "has_sync_kv_loads", False)
-            if sync_loads:
+            # Up to 0.29 the runner starts loads before the forward; from
+            # 0.30 only a step with sync loads (which feed its forward) does,
+            # and others start them after the forward is launched.
+            before = getattr(so, "has_sync_kv_loads", True)
+            if before:
                 worker.start_load_kv()
             out = runner.execute(so, step)
-            if not sync_loads:
+            if not before:
                 worker.start_load_kv()
             worker.wait_for_save()
             sending, recving = worker.get_finished(so.finished_req_ids)
