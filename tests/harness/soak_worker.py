@@ -8,6 +8,7 @@ and prints a JSON list, one object per run: what happened (steps, requests
 completed and aborted, preemptions), what went wrong (a crash with its
 exception type and where in vLLM it was raised, invariant violations found
 after any step, content-tag mismatches, stores not ordered after compute,
+accesses of a KV block that nothing orders,
 CPU blocks lost, blocks leaked at the end, requests that never finished) and
 how long the scheduler took. Progress goes to stderr. To replay a run of
 `make soak`, set PYTHONHASHSEED to the soak's seed, as it does: vLLM
@@ -84,7 +85,7 @@ class Run:
         step = self.e.stats.steps
         while arrivals and arrivals[0].step <= step:
             a = arrivals.pop(0)
-            req_id = self.e.add_request(a.prompt, a.max_tokens)
+            req_id = self.e.add_request(a.prompt, a.max_tokens, stop_at=a.stop_at)
             self.ids.append(req_id)
             if a.abort_at is not None:
                 aborts.setdefault(max(a.abort_at, step + 1), []).append(req_id)
@@ -145,6 +146,9 @@ class Run:
             "first_content_violation": str(e.runner.violations[0])
             if e.runner.violations
             else None,
+            # Accesses of a KV block that nothing orders (harness.fake_cuda).
+            "races": len(e.cuda.races),
+            "first_race": str(e.cuda.races[0]) if e.cuda.races else None,
         }
         if e.offload is not None:
             cpu = e.offload.cpu_block_pool

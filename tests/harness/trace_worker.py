@@ -8,8 +8,10 @@ which requests were scheduled and for how many tokens, which were
 preempted and finished, the free GPU blocks, how many requests wait and
 how many of them wait for KV from the connector, and the blocks the
 connector loaded and stored. A crash (with where in vLLM it was raised)
-and the first invariant violation end the record. scripts/differential.py
-compares the records of the base and the series step by step.
+and the first invariant violation end the record. scripts/prove/differential.py
+compares the records of the base and the series step by step. Any two
+accesses of a KV block that nothing orders (harness.fake_cuda's checker)
+are counted, with the first named.
 
 At the end it records which requests completed (finished or aborted) and
 whether the engine stalled: after the trace's last event, STALL_STEPS steps
@@ -75,12 +77,14 @@ def reset_prefix_cache(e: Engine, steps: list[dict[str, Any]]) -> None:
 
 
 def record(e: Engine, so: Any, launched_before: int) -> dict[str, Any]:
+    """One step; `so` is None for an async step that only processed the
+    output of a step in flight."""
     launched = e.copy_backend.launched[launched_before:] if e.copy_backend else []
     running, waiting = e.scheduler.get_request_counts()
     return {
-        "sched": sorted(so.num_scheduled_tokens.items()),
-        "preempted": sorted(so.preempted_req_ids or ()),
-        "finished": sorted(so.finished_req_ids),
+        "sched": sorted(so.num_scheduled_tokens.items()) if so else [],
+        "preempted": sorted(so.preempted_req_ids or ()) if so else [],
+        "finished": sorted(so.finished_req_ids) if so else [],
         "free": e.block_pool.get_num_free_blocks(),
         "running": running,
         "waiting": waiting,
@@ -102,6 +106,10 @@ def run(seed: int, family: str = "mixed") -> dict[str, Any]:
         "violation": None,
         "completed": [],
         "stalled": False,
+        # The first pair of accesses to a block that nothing orders (the
+        # fake CUDA's checker), and how many there were.
+        "race": None,
+        "races": 0,
     }
     steps = out["steps"]
     e = None
@@ -137,6 +145,8 @@ def run(seed: int, family: str = "mixed") -> dict[str, Any]:
     if e is not None:
         out["completed"] = sorted(e.stats.finished | e.stats.aborted)
         out["stalled"] = not (out["crash"] or out["violation"]) and e.busy()
+        out["races"] = len(e.cuda.races)
+        out["race"] = str(e.cuda.races[0]) if e.cuda.races else None
     return out
 
 

@@ -49,6 +49,7 @@ class Trace:
         c = self.cfg
         return (
             f"{self.family} seed {self.seed}: connector {self.connector}, "
+            f"{'async' if c.get('async_scheduling') else 'sync'} scheduling, "
             f"{'hybrid' if c['hybrid'] else 'full attention'}, "
             f"{c['num_gpu_blocks']} GPU blocks, prefix caching "
             f"{'on' if c['prefix_caching'] else 'off'}, {c['policy']}, chunked "
@@ -171,6 +172,28 @@ def generate_offload(seed: int) -> Trace:
     return trace
 
 
-# Trace families: the differential oracle's general traces, and the
-# liveness scenarios of the CPU offload connector.
-FAMILIES = {"mixed": generate, "offload": generate_offload}
+def overlapped(generate_family, name: str):
+    """The same traces under async scheduling, as vLLM runs on a GPU by
+    default: step N+1 is scheduled and launched before step N's output is
+    processed (output placeholders live, blocks freed while a step in
+    flight still uses them, transfers unordered with compute unless an
+    event orders them)."""
+
+    def make(seed: int) -> Trace:
+        trace = generate_family(seed)
+        trace.cfg["async_scheduling"] = True
+        trace.family = name
+        return trace
+
+    make.__doc__ = f"{generate_family.__name__}'s traces, under async scheduling."
+    return make
+
+
+# Trace families: the differential oracle's general traces, the liveness
+# scenarios of the CPU offload connector, and both under async scheduling.
+FAMILIES = {
+    "mixed": generate,
+    "offload": generate_offload,
+    "async-mixed": overlapped(generate, "async-mixed"),
+    "async-offload": overlapped(generate_offload, "async-offload"),
+}

@@ -9,6 +9,7 @@ the base and on the series.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ class Arrival:
     prompt: list[int]
     max_tokens: int
     abort_at: int | None = None  # step at which it is aborted, if still running
+    # Position of a token it samples that stops it (Engine.add_request).
+    stop_at: int | None = None
 
 
 @dataclass
@@ -158,6 +161,40 @@ def seed003(rng: random.Random, scale: int) -> Plan:
     return Plan(cfg, arrivals, strikes)
 
 
+def stops_in_flight(rng: random.Random, scale: int) -> Plan:
+    """Async scheduling on a pool that CPU hits keep refilling: requests
+    stop on a sampled token while their next step is in flight, and
+    requests sharing offloaded prefixes load into the blocks they free
+    (vllm#47282, vllm#45357)."""
+    cfg = HarnessConfig(
+        num_gpu_blocks=40,
+        num_cpu_blocks=256,
+        max_num_batched_tokens=128,
+        max_num_seqs=6,
+        async_scheduling=True,
+        transfer_delay=late_transfers(rng, 2),
+    )
+    prompts = prompts_with_shared_prefixes(rng, 14 * scale, 3, (48, 160), (1, 60))
+    arrivals, step = [], 0
+    for prompt in prompts:
+        step += rng.choice((0, 1, 2, 4))
+        max_tokens = rng.randint(4, 30)
+        stop = len(prompt) + rng.randint(1, max_tokens - 1)
+        arrivals.append(Arrival(step, prompt, max_tokens, stop_at=stop))
+    return Plan(cfg, arrivals)
+
+
+def overlapped(make: Callable[[random.Random, int], Plan]):
+    """A workload's plan under async scheduling."""
+
+    def make_async(rng: random.Random, scale: int) -> Plan:
+        plan = make(rng, scale)
+        plan.cfg = dataclasses.replace(plan.cfg, async_scheduling=True)
+        return plan
+
+    return make_async
+
+
 WORKLOADS = {
     w.name: w
     for w in [
@@ -184,6 +221,21 @@ WORKLOADS = {
             "mixed-hybrid-peer",
             "load: hybrid, eager, raced pool",
             mixed(hybrid=True, lazy=False, peer=True),
+        ),
+        Workload(
+            "async-mixed-full-eager",
+            "load under async scheduling: full attention, eager",
+            overlapped(mixed(hybrid=False, lazy=False)),
+        ),
+        Workload(
+            "async-mixed-hybrid-lazy",
+            "load under async scheduling: hybrid, lazy",
+            overlapped(mixed(hybrid=True, lazy=True)),
+        ),
+        Workload(
+            "async-stops-in-flight",
+            "seed 004 / vllm#47282: stops with a step in flight, loads reuse",
+            stops_in_flight,
         ),
     ]
 }
