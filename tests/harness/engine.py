@@ -409,8 +409,12 @@ def make_offload_worker(
     """The release's real offload worker, copying on the fake CUDA."""
     worker = SimpleCPUOffloadWorker(vllm_config, kv_cache_config, cpu_capacity_bytes=0)
     backend = CopyEngine(cuda)
-    # In place of register_kv_caches, which needs CUDA tensors.
+    # In place of register_kv_caches, which needs CUDA tensors: the copy
+    # backend, and the worker's own copy streams (left None, an event the
+    # worker records on one of them would land on the compute stream).
     worker._backend = backend  # type: ignore[assignment]
+    worker.load_stream = cuda.load  # type: ignore[assignment]
+    worker.store_stream = cuda.store  # type: ignore[assignment]
     return worker, backend
 
 

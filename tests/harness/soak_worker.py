@@ -16,7 +16,7 @@ iterates sets of block hashes, whose order follows the hash seed.
 
 --serve reads one run per line on stdin (`WORKLOAD SEED SCALE`, and
 `timing` to skip the checks) and answers each with one JSON line.
-scripts/soak.py keeps one such process per tree and alternates them run by
+scripts/prove/soak.py keeps one such process per tree and alternates them run by
 run, so the base and the series are timed side by side under the same
 machine load.
 """

@@ -221,3 +221,18 @@ def test_checker_reports_a_store_into_a_cpu_block_a_load_still_reads(cuda):
     cuda.store.wait_event(compute_event())
     copy(cuda, is_store=True, order=STREAM)  # writes CPU block 1
     assert [(r.space, r.first.op.stream) for r in cuda.races] == [("cpu", "load")]
+
+
+def test_the_offload_worker_copies_on_the_fake_streams():
+    """The worker's own copy streams are the fake ones (the harness does
+    not call register_kv_caches): an event it records on its store stream
+    marks the store stream, not compute."""
+    from harness.engine import Engine, HarnessConfig
+
+    e = Engine(HarnessConfig())
+    assert e.worker.load_stream is e.cuda.load
+    assert e.worker.store_stream is e.cuda.store
+    with e.cuda.active():
+        event = FakeEvent()
+        event.record(e.worker.store_stream)
+    assert event.mark is not None and event.mark.stream == "store"
