@@ -75,3 +75,36 @@ def test_synchronous_scheduling_is_unchanged():
     assert held & loaded
     assert load_races(e) == []
     assert not getattr(e.scheduler, "deferred_frees", ())
+
+
+def test_no_request_is_preempted_for_blocks_it_cannot_give_back_yet():
+    """Under async scheduling the blocks of a request a step in flight
+    computes come back only once that step is processed: preempting it
+    frees nothing now, and every running request after it would be
+    preempted too, for nothing (the differential's async-mixed trace 23:
+    three requests preempted in one step that scheduled nothing). Replays
+    that trace and checks every preemption the scheduler makes."""
+    from harness import trace_worker
+    from harness.traces import FAMILIES
+
+    trace = FAMILIES["async-mixed"](23)
+    e = trace_worker.engine_for(trace)
+    s = e.scheduler
+    preempt = s._preempt_request
+    futile: list[str] = []
+
+    def checked_preempt(request, *args, **kwargs):
+        can_free = getattr(s, "_request_blocks_can_be_freed", lambda r: True)
+        if getattr(s, "defer_block_free", False) and not can_free(request):
+            futile.append(f"step {e.stats.steps}: {request.request_id}")
+        return preempt(request, *args, **kwargs)
+
+    s._preempt_request = checked_preempt
+    for step in range(trace_worker.MAX_STEPS):
+        for event in trace.events.get(step, ()):
+            trace_worker.deliver(e, event)
+        if step > trace.last_step() and not e.busy():
+            break
+        e.step()
+    assert futile == []
+    assert not e.busy()
