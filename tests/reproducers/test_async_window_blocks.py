@@ -1,0 +1,72 @@
+"""Reproducer for patch 0012: under async scheduling, sliding-window blocks
+are dropped by the tokens whose KV is processed, not by those scheduled.
+
+A prefill chunk writes the KV of every token it computes, in every group:
+a sliding-window group too, in blocks the next chunk no longer attends to.
+With async scheduling the next chunk is scheduled while that one still
+runs on the GPU, and releases before 0.26.0 count it computed already:
+allocate_slots drops the window blocks it writes and the pool hands them
+to a request that hits the CPU cache in the same schedule. The load, on
+its own stream, writes them unordered with the forward still writing
+them (upstream frees by processed tokens from 0.26.0, vllm#47728). On a
+CPU the fake CUDA's happens-before checker (harness.fake_cuda) reports
+the pair.
+"""
+
+from __future__ import annotations
+
+from harness.engine import Engine, HarnessConfig
+
+BS = 16
+PREFIX = list(range(100, 100 + 4 * BS + 3))
+# Prefilled in chunks of 128 tokens: each drops most of the window blocks
+# the chunk before it wrote.
+LONG = list(range(5000, 5000 + 12 * BS))
+
+
+def run(async_scheduling: bool) -> Engine:
+    """PREFIX is computed, offloaded and dropped from the GPU cache; LONG
+    starts its chunked prefill, and PREFIX comes again at once: it hits
+    the CPU cache, and the pool (28 blocks) is nearly all LONG's."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=28,
+            num_cpu_blocks=128,
+            hybrid=True,
+            sliding_window=32,
+            max_num_batched_tokens=128,
+            async_scheduling=async_scheduling,
+        )
+    )
+    e.add_request(PREFIX, max_tokens=2)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    e.add_request(LONG, max_tokens=4)
+    e.add_request(PREFIX + [7, 8], max_tokens=3)
+    e.run(max_steps=400)
+    return e
+
+
+def load_races(e: Engine) -> list[str]:
+    """Unordered pairs a load takes part in (a bare release before 0.24.0
+    also has unordered stores, which patch 0005 fixes)."""
+    return [
+        str(r)
+        for r in e.cuda.races
+        if "load" in (r.first.op.stream, r.second.op.stream)
+    ]
+
+
+def test_a_load_never_overwrites_window_blocks_a_step_in_flight_writes():
+    e = run(async_scheduling=True)
+    assert any(not x["is_store"] for x in e.copy_backend.launched), "a CPU hit"
+    assert load_races(e) == []
+    assert e.runner.violations == []
+    assert e.stats.finished >= set(e.requests)
+
+
+def test_synchronous_scheduling_drops_window_blocks_as_before():
+    e = run(async_scheduling=False)
+    assert load_races(e) == []
+    assert e.stats.finished >= set(e.requests)
