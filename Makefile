@@ -99,7 +99,7 @@ bench: ## allocator speed: unpatched base against the series, side by side
 e2e: apply ## the real vllm serve on a CPU, base against series, via the openai client (.work/e2e/)
 	$(PYTHON) scripts/prove/e2e.py $(ARGS)
 
-mutate: ## hunk reverts and operator mutants of every series must fail a test (.work/mutate/)
+mutate: ## hunk reverts, operator mutants and hand-written semantic mutants must each fail a test (ARGS=--kinds=semantic; .work/mutate/)
 	$(PYTHON) scripts/prove/mutate.py $(ARGS)
 
 differential: ## the differential oracle: base and series step by step on generated traces (ARGS=--seeds N)

@@ -18,12 +18,22 @@ Then the operator mutants of the lines the series wrote (a condition
 negated or loosened, a boundary moved by one, a loop that never runs), made
 by Cosmic Ray and run against the same suite: see mutate_operators.py.
 
-Two mutants run at once (one git worktree each). Writes .work/mutate/
-mutate.md (mutate-hunks.md or mutate-operators.md for one kind): per
-patch, killed / survived / equivalent / not separable, and each survivor's
-diff; per series and kind, how many were killed. The last line:
-`N of M mutants killed (P%)`, equivalent, not separable and incompetent
-ones excluded. Exits non-zero below --target.
+Then the semantic mutants: bugs written by hand, each as a contributor
+could plausibly write it (a rollback that restores all but one field, an
+event recorded on the wrong stream, a victim chosen by arrival instead of
+priority), kept in scripts/data/semantic_mutants.toml with the bug each
+stands for. Each is an exact text of the patched tree and its replacement,
+for one release's series; a text not found exactly once in that tree is
+an error naming the mutant, so the file moves with the patches. Operator
+swaps and reverts cannot write these: they need a second edit, another
+variable, the right wrong value.
+
+Two mutants run at once (one git worktree each; --jobs). Writes
+.work/mutate/mutate.md (mutate-<kinds>.md for fewer kinds, e.g.
+mutate-semantic.md): per patch, killed / survived / equivalent / not
+separable, and each survivor's diff; per series and kind, how many were
+killed. The last line: `N of M mutants killed (P%)`, equivalent, not
+separable and incompetent ones excluded. Exits non-zero below --target.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +74,15 @@ from prove.mutate_operators import (
 OUT = WORK / "mutate"
 REPRODUCERS = ROOT / "tests" / "reproducers"
 STATE_MACHINES = ROOT / "tests" / "harness_tests" / "test_stateful.py"
+# Tests written to kill semantic mutants that no reproducer did: part of the
+# fast suite of every kind.
+MUTANT_TESTS = ROOT / "tests" / "reproducers" / "test_semantic_mutants.py"
 # Hunks that cannot change behaviour, by patch subject fragment and a line
 # the hunk adds or removes (exactly, indentation included), with the reason.
 EQUIVALENT = load_claims(DATA / "equivalent_hunks.toml", ("patch", "line"))
+# The hand-written mutants (make mutate --kinds semantic).
+SEMANTIC = DATA / "semantic_mutants.toml"
+KINDS = ("hunks", "operators", "semantic")
 
 
 @dataclass
@@ -85,6 +102,134 @@ class Outcome:
     hunk: Hunk
     state: str  # killed, survived, equivalent, not separable
     detail: str = ""
+
+
+@dataclass
+class Edit:
+    find: str  # exact text of the patched file, found there exactly once
+    replace: str
+
+
+@dataclass
+class SemanticMutant:
+    """A bug written by hand (scripts/data/semantic_mutants.toml)."""
+
+    id: str
+    release: str  # the series it applies to, by its base release
+    patch: str  # a fragment of the subject of the patch it breaks
+    file: str
+    edits: list[Edit]  # find/replace, then each `also`, in one file
+    why: str  # the plausible bug it stands for
+    equivalent: str = ""  # why it cannot change behaviour, if it cannot
+    state: str = ""  # killed, survived, equivalent
+    detail: str = ""
+
+
+SEMANTIC_FIELDS = {"id", "release", "patch", "file", "find", "replace", "why"}
+SEMANTIC_OPTIONAL = {"also", "equivalent"}
+
+
+def load_semantic(path: Path = SEMANTIC) -> list[SemanticMutant]:
+    """The mutants of `path`, in its order; a malformed one is an error
+    naming it (a typo must not drop a mutant from the count unseen)."""
+    out: list[SemanticMutant] = []
+    for n, m in enumerate(tomllib.loads(path.read_text()).get("mutant", []), 1):
+        name = f"{rel(path)}: mutant {n} ({m.get('id', 'no id')})"
+        keys = set(m)
+        if not SEMANTIC_FIELDS <= keys <= SEMANTIC_FIELDS | SEMANTIC_OPTIONAL:
+            raise ForkError(
+                f"{name}: has {', '.join(sorted(keys))}; needs "
+                f"{', '.join(sorted(SEMANTIC_FIELDS))} (and may have also, "
+                "equivalent)"
+            )
+        also = m.get("also", [])
+        if not all(sorted(a) == ["find", "replace"] for a in also):
+            raise ForkError(f"{name}: each [[mutant.also]] has find and replace")
+        edits = [Edit(e["find"], e["replace"]) for e in [m, *also]]
+        if any(not e.find or e.find == e.replace for e in edits):
+            raise ForkError(f"{name}: an edit with no text or no change")
+        if any((m2.id, m2.release) == (m["id"], m["release"]) for m2 in out):
+            raise ForkError(f"{name}: an earlier mutant of its release has the id")
+        out.append(
+            SemanticMutant(
+                m["id"],
+                m["release"],
+                m["patch"],
+                m["file"],
+                edits,
+                m["why"],
+                m.get("equivalent", ""),
+            )
+        )
+    return out
+
+
+def mutated_text(mutant: SemanticMutant, text: str) -> str:
+    """`text` (the patched file) with the mutant's edits made. Each text to
+    find must be there exactly once, or the mutant is stale: an error that
+    names it."""
+    for edit in mutant.edits:
+        count = text.count(edit.find)
+        if count != 1:
+            where = "not found" if count == 0 else f"found {count} times"
+            raise ForkError(
+                f"semantic mutant {mutant.id}: its text is {where} in "
+                f"{mutant.file} of the {mutant.release} series "
+                f"(scripts/data/semantic_mutants.toml):\n{edit.find}"
+            )
+        text = text.replace(edit.find, edit.replace)
+    return text
+
+
+def semantic_of(
+    version: str, subjects: list[str], only: list[str] | None
+) -> list[SemanticMutant]:
+    """The mutants of the series on `version` whose patch is among
+    `subjects` (and `only`). A mutant naming no patch of its series, or
+    more than one, is an error."""
+    mine = []
+    for m in load_semantic():
+        if m.release != version:
+            continue
+        matches = [s for s in subjects if m.patch in s]
+        if len(matches) != 1:
+            raise ForkError(
+                f"semantic mutant {m.id}: patch {m.patch!r} matches "
+                f"{len(matches)} patches of the {version} series, not one"
+            )
+        if only and not any(f in matches[0] for f in only):
+            continue
+        m.patch = matches[0]
+        mine.append(m)
+    return mine
+
+
+def try_semantic(
+    mutant: SemanticMutant,
+    worktree: Path,
+    python: Path,
+    tests: list[str],
+    series_dir: Path,
+    baseline: OracleBaseline | None = None,
+) -> SemanticMutant:
+    if mutant.equivalent:
+        mutant.state, mutant.detail = "equivalent", mutant.equivalent
+        return mutant
+    target = worktree / mutant.file
+    before = target.read_text()
+    after = mutated_text(mutant, before)
+    if code_of(before) == code_of(after):
+        raise ForkError(
+            f"semantic mutant {mutant.id}: changes only comments or docstrings"
+        )
+    target.write_text(after)
+    try:
+        mutant.state, mutant.detail = run_suite(
+            worktree, python, tests, series_dir, baseline
+        )
+    finally:
+        target.write_text(before)
+    return mutant
 
 
 def hunks_of(tree: Path, base_tag: str) -> list[Hunk]:
@@ -140,7 +285,12 @@ def code_of(source: str) -> str:
 
 
 def try_one(
-    hunk: Hunk, worktree: Path, python: Path, tests: list[str], series_dir: Path
+    hunk: Hunk,
+    worktree: Path,
+    python: Path,
+    tests: list[str],
+    series_dir: Path,
+    baseline: OracleBaseline | None = None,
 ) -> Outcome:
     for (fragment, line), why in EQUIVALENT.items():
         changed = f"\n+{line}\n" in hunk.text or f"\n-{line}\n" in hunk.text
@@ -156,40 +306,101 @@ def try_one(
     try:
         if code_of(before) == code_of(target.read_text()):
             return Outcome(hunk, "equivalent", "comments or docstrings only")
-        proc = subprocess.run(
-            [
-                str(python),
-                "-m",
-                "pytest",
-                "-x",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-p",
-                "fork_upstream_plugin",
-                *tests,
-            ],
-            cwd=ROOT,
-            env={**os.environ, **tree_env(worktree)},
-            capture_output=True,
-            text=True,
-        )
-        last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-        if proc.returncode != 0:
-            failed = re.findall(r"(?m)^FAILED (\S+)", proc.stdout)
-            return Outcome(hunk, "killed", failed[0] if failed else last)
-        oracle = subprocess.run(
-            differential_command(series_dir, str(worktree), str(worktree) + ".diff"),
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
-        if oracle.returncode != 0:
-            verdict = (oracle.stdout.strip().splitlines() or ["no output"])[-1]
-            return Outcome(hunk, "killed", f"differential oracle: {verdict}")
-        return Outcome(hunk, "survived", last)
+        state, detail = run_suite(worktree, python, tests, series_dir, baseline)
+        return Outcome(hunk, state, detail)
     finally:
         target.write_text(before)
+
+
+def failed_traces(report: str) -> set[str]:
+    """The traces a differential.md report lists as failed ("mixed seed 3")."""
+    _, _, failed = report.partition(" traces fail (")
+    return set(re.findall(r"(?m)^- (\S+ seed \d+):", failed))
+
+
+class OracleBaseline:
+    """The traces the differential oracle fails on the unmutated series, run
+    once per series when a mutant first needs it. A series in the making
+    (a patch being amended, a new trace family) can fail some traces
+    itself; a mutant is killed by the oracle only for a trace more, not for
+    the ones the series already fails."""
+
+    def __init__(self, series_dir: Path, tree: Path) -> None:
+        self.series_dir, self.tree = series_dir, tree
+        self.lock = threading.Lock()
+        self.failed: set[str] | None = None
+
+    def get(self) -> set[str]:
+        with self.lock:
+            if self.failed is None:
+                out = self.tree.parent / f"{self.tree.name}.baseline-diff"
+                subprocess.run(
+                    differential_command(self.series_dir, str(self.tree), str(out)),
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                )
+                report = out / "differential.md"
+                self.failed = failed_traces(report.read_text())
+                if self.failed:
+                    print(
+                        f"    the unmutated series fails {len(self.failed)} "
+                        f"differential traces ({', '.join(sorted(self.failed))}): "
+                        "not counted against mutants",
+                        file=sys.stderr,
+                    )
+            return self.failed
+
+
+def run_suite(
+    worktree: Path,
+    python: Path,
+    tests: list[str],
+    series_dir: Path,
+    baseline: OracleBaseline | None = None,
+) -> tuple[str, str]:
+    """Run the fast suite, then (if it passes) the differential oracle, on
+    the mutated `worktree`: ("killed", what failed) or ("survived", the
+    suite's last line). With `baseline`, a trace the unmutated series fails
+    too kills nothing."""
+    proc = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "fork_upstream_plugin",
+            *tests,
+        ],
+        cwd=ROOT,
+        env={**os.environ, **tree_env(worktree)},
+        capture_output=True,
+        text=True,
+    )
+    last = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    if proc.returncode != 0:
+        failed = re.findall(r"(?m)^FAILED (\S+)", proc.stdout)
+        return "killed", failed[0] if failed else last
+    oracle = subprocess.run(
+        differential_command(series_dir, str(worktree), str(worktree) + ".diff"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if oracle.returncode != 0:
+        verdict = (oracle.stdout.strip().splitlines() or ["no output"])[-1]
+        report = Path(str(worktree) + ".diff") / "differential.md"
+        if baseline is None or not report.exists():
+            return "killed", f"differential oracle: {verdict}"
+        new = failed_traces(report.read_text()) - baseline.get()
+        if new:
+            return "killed", f"differential oracle: {', '.join(sorted(new))} fail"
+        verdict = "the oracle fails only the traces the unmutated series fails"
+    return "survived", last if oracle.returncode == 0 else verdict
 
 
 def mutate_series(
@@ -198,7 +409,8 @@ def mutate_series(
     kinds: set[str],
     rerun_survivors: bool = False,
     only: list[str] | None = None,
-) -> tuple[list[Outcome], list[OperatorMutant], list[str]]:
+    ids: list[str] | None = None,
+) -> tuple[list[Outcome], list[OperatorMutant], list[SemanticMutant], list[str]]:
     version = series.base().version
     tree = WORK / f"v{version}" / "series"
     checkout_base(series, WORK / f"v{version}" / "base")
@@ -210,9 +422,21 @@ def mutate_series(
         {t.split("::")[0] for p in series.patches() for t in p.reproducers()}
     )
     tests = [*files, str(STATE_MACHINES.relative_to(ROOT))]
+    if MUTANT_TESTS.exists():
+        tests.append(str(MUTANT_TESTS.relative_to(ROOT)))
     hunks = hunks_of(tree, series.base().tag)
     if only:
         hunks = [h for h in hunks if any(f in h.patch for f in only)]
+    semantic: list[SemanticMutant] = []
+    if "semantic" in kinds:
+        subjects = [p.subject() for p in series.patches()]
+        semantic = semantic_of(version, subjects, only)
+        if ids:
+            semantic = [m for m in semantic if m.id in ids]
+        # Every text is checked before any mutant runs: a stale one stops
+        # the run at once, not an hour in.
+        for m in semantic:
+            mutated_text(m, (tree / m.file).read_text())
     work = OUT / f"v{version}"
     # The operator session is kept for --rerun-survivors; the rest goes.
     for old in work.glob("worktree*"):
@@ -227,13 +451,14 @@ def mutate_series(
     outcomes: list[Outcome] = []
     operators: list[OperatorMutant] = []
     free = list(worktrees)
+    baseline = OracleBaseline(series.dir, tree)
     try:
         with ThreadPoolExecutor(jobs) as pool:
 
             def one(hunk: Hunk) -> Outcome:
                 wt = free.pop()
                 try:
-                    return try_one(hunk, wt, python, tests, series.dir)
+                    return try_one(hunk, wt, python, tests, series.dir, baseline)
                 finally:
                     free.append(wt)
 
@@ -245,6 +470,22 @@ def mutate_series(
                     f"{outcome.hunk.patch[:48]}: {outcome.hunk.name}",
                     file=sys.stderr,
                 )
+        if semantic:
+            print(f"==> semantic mutants of {rel(series.dir)}", file=sys.stderr)
+            with ThreadPoolExecutor(jobs) as pool:
+
+                def one_semantic(m: SemanticMutant) -> SemanticMutant:
+                    wt = free.pop()
+                    try:
+                        return try_semantic(m, wt, python, tests, series.dir, baseline)
+                    finally:
+                        free.append(wt)
+
+                for n, m in enumerate(pool.map(one_semantic, semantic), 1):
+                    print(
+                        f"    [{n}/{len(semantic)}] {m.state:10} {m.id}: {m.detail}",
+                        file=sys.stderr,
+                    )
         if "operators" in kinds:
             print(f"==> operator mutants of {rel(series.dir)}", file=sys.stderr)
             operators = run_operator_mutants(
@@ -261,11 +502,19 @@ def mutate_series(
     finally:
         for wt in worktrees:
             run(["git", "-C", tree, "worktree", "remove", "--force", wt], check=False)
-    return outcomes, operators, report(version, outcomes, operators)
+    return (
+        outcomes,
+        operators,
+        semantic,
+        report(version, outcomes, operators, semantic),
+    )
 
 
 def report(
-    version: str, outcomes: list[Outcome], operators: list[OperatorMutant]
+    version: str,
+    outcomes: list[Outcome],
+    operators: list[OperatorMutant],
+    semantic: list[SemanticMutant],
 ) -> list[str]:
     def killed(states: list[str]) -> str:
         n, m = states.count("killed"), states.count("killed") + states.count("survived")
@@ -275,12 +524,41 @@ def report(
         f"## vLLM {version}",
         "",
         f"Hunk reverts: {killed([o.state for o in outcomes])}. "
-        f"Operator mutants: {killed([m.state for m in operators])}.",
+        f"Operator mutants: {killed([m.state for m in operators])}. "
+        f"Semantic mutants: {killed([m.state for m in semantic])}.",
         "",
         *hunk_report(outcomes),
         "",
         *operator_report(operators),
+        "",
+        *semantic_report(semantic),
     ]
+
+
+def semantic_report(semantic: list[SemanticMutant]) -> list[str]:
+    states = ("killed", "survived", "equivalent")
+    lines = [
+        "### Semantic mutants (scripts/data/semantic_mutants.toml)",
+        "",
+        "| patch | mutants | " + " | ".join(states) + " |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for patch in dict.fromkeys(m.patch for m in semantic):
+        mine = [m for m in semantic if m.patch == patch]
+        counts = " | ".join(str(sum(m.state == s for m in mine)) for s in states)
+        lines.append(f"| {patch} | {len(mine)} | {counts} |")
+    lines += ["", "| mutant | result | by | the bug |", "| --- | --- | --- | --- |"]
+    for m in semantic:
+        by = m.detail.replace("|", "\\|")
+        lines.append(f"| {m.id} | {m.state} | {by} | {m.why} |")
+    for m in semantic:
+        if m.state == "survived":
+            lines += ["", f"Survived: {m.id} ({m.file})", "```diff"]
+            for edit in m.edits:
+                lines += [f"-{x}" for x in edit.find.splitlines()]
+                lines += [f"+{x}" for x in edit.replace.splitlines()]
+            lines.append("```")
+    return lines
 
 
 def operator_report(operators: list[OperatorMutant]) -> list[str]:
@@ -356,9 +634,10 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=2, help="mutants at once (default 2)")
     p.add_argument(
         "--kinds",
-        default="hunks,operators",
-        help="hunks (each hunk reverted), operators (Cosmic Ray's operator "
-        "mutants of the series' lines), or both (default)",
+        default=",".join(KINDS),
+        help="comma-separated: hunks (each hunk reverted), operators (Cosmic "
+        "Ray's operator mutants of the series' lines), semantic (the bugs "
+        "written by hand in scripts/data/semantic_mutants.toml); default all",
     )
     p.add_argument(
         "--target", type=float, default=95.0, help="percent to kill (default 95)"
@@ -376,24 +655,32 @@ def main() -> int:
         help="mutants of the patches whose subject contains this only "
         "(repeatable), after changing a few patches",
     )
+    p.add_argument(
+        "--mutant",
+        action="append",
+        metavar="ID",
+        help="semantic mutants: only the one with this id (repeatable), e.g. "
+        "after adding the test that should kill it",
+    )
     args = p.parse_args()
     # The default series and the newest release's, unless --series says.
     series_list = find_series(args.series)
     if not args.series:
         series_list = default_and_newest(series_list)[0]
     kinds = set(args.kinds.split(","))
-    if not kinds or not kinds <= {"hunks", "operators"}:
-        raise ForkError(f"--kinds: hunks and/or operators, not {args.kinds!r}")
+    if not kinds or not kinds <= set(KINDS):
+        raise ForkError(f"--kinds: some of {', '.join(KINDS)}, not {args.kinds!r}")
     start = time.monotonic()
     lines: list[str] = ["# Mutants of the series (make mutate)", ""]
     killed = counted = 0
     for series in series_list:
-        print(f"==> hunks of {rel(series.dir)}", file=sys.stderr)
-        outcomes, operators, part = mutate_series(
-            series, args.jobs, kinds, args.rerun_survivors, args.only
+        print(f"==> mutants of {rel(series.dir)}", file=sys.stderr)
+        outcomes, operators, semantic, part = mutate_series(
+            series, args.jobs, kinds, args.rerun_survivors, args.only, args.mutant
         )
         lines += [*part, ""]
         states = [o.state for o in outcomes] + [m.state for m in operators]
+        states += [m.state for m in semantic]
         killed += states.count("killed")
         counted += states.count("killed") + states.count("survived")
     if not counted:
@@ -402,8 +689,9 @@ def main() -> int:
     lines.append(f"Took {time.monotonic() - start:.0f}s.")
     lines.append(f"{killed} of {counted} mutants killed ({percent:.0f}%)")
     OUT.mkdir(parents=True, exist_ok=True)
-    # A run of one kind does not overwrite the report of both.
-    name = "mutate.md" if len(kinds) == 2 else f"mutate-{kinds.pop()}.md"
+    # A run of fewer kinds does not overwrite the report of all.
+    chosen = [k for k in KINDS if k in kinds]
+    name = "mutate.md" if len(chosen) == len(KINDS) else f"mutate-{'-'.join(chosen)}.md"
     (OUT / name).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if percent >= args.target else 1
