@@ -64,9 +64,9 @@ from lib.venv import release_venv, series_venv
 from prove.worker_client import Worker
 
 OUT = WORK / "differential"
-# Trace families (tests/harness/traces.py): general traces, and the CPU
-# offload connector's liveness scenarios.
-FAMILIES = ("mixed", "offload")
+# Trace families (tests/harness/traces.py): general traces, the CPU offload
+# connector's liveness scenarios, and both under async scheduling.
+FAMILIES = ("mixed", "offload", "async-mixed", "async-offload")
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,13 @@ EFFECTS = [
         "request that holds blocks gives them back, reported as preempted",
     ),
     Effect(
+        "Free-a-request-s-KV-blocks-only-after",
+        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
+        "overlapped",
+        "under async scheduling, blocks of a request that ends or is preempted "
+        "while a step in flight computes it come back a step later",
+    ),
+    Effect(
         "admit-an-async-KV-load",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
         "loads",
@@ -148,6 +155,8 @@ def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int
         return False
     if name == "eager":
         return not trace["lazy"]
+    if name == "overlapped":
+        return bool(trace.get("async_scheduling"))
     seen = [*base[: i + 1], *series[: i + 1]]
     if name == "stores":
         return any(r["stores"] for r in seen)
@@ -227,6 +236,11 @@ def step_verdict(
     if series["crash"] or series["violation"]:
         return Verdict(
             seed, "FAILED", f"series: {series['crash'] or series['violation']}"
+        )
+    if series.get("race"):
+        # The fake CUDA's checker: two accesses of a KV block nothing orders.
+        return Verdict(
+            seed, "FAILED", f"series: {series['races']} races, first: {series['race']}"
         )
     b_steps, s_steps = base["steps"], series["steps"]
     base_failed = base["crash"] or base["violation"]

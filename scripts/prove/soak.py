@@ -13,7 +13,8 @@ differential oracle (scripts/prove/differential.py) on --traces traces.
 Prints one table (also .work/soak/soak.md and soak.json): per workload and
 tree, runs, steps, requests completed, preemptions, crashes (exception and
 where), invariant violations, content-tag mismatches, stores not ordered
-after compute, CPU blocks lost, blocks leaked, requests left unfinished,
+after compute, races (accesses of a KV block that nothing orders, the fake
+CUDA's checker), CPU blocks lost, blocks leaked, requests left unfinished,
 wall time and scheduler steps per second, and the series/base speed ratio
 (scheduled tokens per scheduler second) where the base survives. One
 worker process per tree; they take the seeds in turn, so each seed's speed
@@ -57,6 +58,9 @@ WORKLOADS = [
     "mixed-hybrid-eager",
     "mixed-hybrid-lazy",
     "mixed-hybrid-peer",
+    "async-mixed-full-eager",
+    "async-mixed-hybrid-lazy",
+    "async-stops-in-flight",
 ]
 OUT = WORK / "soak"
 PROBLEMS = (
@@ -64,6 +68,7 @@ PROBLEMS = (
     "violation_steps",
     "content_violations",
     "unordered_stores",
+    "races",
     "lost_cpu_blocks",
     "leaked_gpu_blocks",
     "leaked_cpu_blocks",
@@ -71,7 +76,7 @@ PROBLEMS = (
     "unfinished",
 )
 # Silent problems: the run goes on (used to tell which runs the base survived).
-SILENT = ("unordered_stores", "lost_cpu_blocks")
+SILENT = ("unordered_stores", "races", "lost_cpu_blocks")
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -118,6 +123,7 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
         ("violations", "violation_steps"),
         ("content", "content_violations"),
         ("unordered", "unordered_stores"),
+        ("races", "races"),
         ("lost CPU", "lost_cpu_blocks"),
         ("leaked", None),
         ("unfinished", "unfinished"),
