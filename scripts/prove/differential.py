@@ -136,6 +136,13 @@ EFFECTS = [
         "while a step in flight computes it come back a step later",
     ),
     Effect(
+        "Drop-sliding-window-blocks-by-the",
+        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
+        "overlapped-window",
+        "under async scheduling, sliding-window blocks a step in flight still "
+        "writes are dropped a step later",
+    ),
+    Effect(
         "admit-an-async-KV-load",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
         "loads",
@@ -153,6 +160,8 @@ def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int
         return not step["sched"] and not step["running"] and bool(step["waiting"])
     if not trace["offload"]:
         return False
+    if name == "overlapped-window":
+        return bool(trace.get("async_scheduling")) and trace["hybrid"]
     if name == "eager":
         return not trace["lazy"]
     if name == "overlapped":

@@ -70,3 +70,16 @@ def test_synchronous_scheduling_drops_window_blocks_as_before():
     e = run(async_scheduling=False)
     assert load_races(e) == []
     assert e.stats.finished >= set(e.requests)
+
+
+def test_without_a_connector_window_blocks_are_dropped_as_before():
+    """Without a connector that writes reused blocks from its own stream the
+    compute stream orders every reuse: window blocks are dropped as the
+    release drops them. Holding them a step longer makes a long prefill on
+    a tight hybrid pool preempt itself again and again (the differential's
+    async-mixed trace 70, which the release completes)."""
+    from harness import trace_worker
+
+    record = trace_worker.run(70, "async-mixed")
+    assert record["crash"] is None and record["violation"] is None
+    assert not record["stalled"]
