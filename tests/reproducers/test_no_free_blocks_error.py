@@ -149,6 +149,26 @@ def test_pool_refusal_is_typed_and_changes_nothing():
     assert_pool_ok(pool, all_done=True)
 
 
+def test_a_negative_pop_is_refused_and_changes_nothing():
+    """A block count gone negative before it reaches the pool (vllm-ascend
+    #14283) must not pass: popping -k blocks pops none and raises the free
+    count by k, past the blocks in the list, the very disagreement the
+    pool's other checks report. popleft_n and get_new_blocks refuse it with
+    a ValueError and change nothing."""
+    for n in (-1, -3):
+        queue, _ = make_queue(8)
+        before = queue_snapshot(queue)
+        with pytest.raises(ValueError):
+            queue.popleft_n(n)
+        assert queue_snapshot(queue) == before
+        pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+        before = pool_snapshot(pool)
+        with pytest.raises(ValueError):
+            pool.get_new_blocks(n)
+        assert pool_snapshot(pool) == before
+        assert_pool_ok(pool, all_done=True)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     size=st.integers(0, 40),
