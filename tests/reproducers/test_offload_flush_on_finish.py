@@ -121,3 +121,42 @@ def test_a_block_being_flushed_is_not_stored_again():
     assert len(stored) == len(set(stored)), f"GPU blocks stored: {stored}"
     assert lost_or_wrong_cpu_blocks(e, [a]) == []
     assert_all_released(e)
+
+
+def test_a_flush_stores_only_what_the_free_cpu_blocks_hold():
+    """A request that finishes in the step that computes its whole prompt
+    leaves every block unstored: its flush asks for more CPU blocks than
+    are free (2 of a 3-block pool, one being the null block). It stores
+    what fits, takes no CPU block the pool does not have, and gives every
+    GPU ref back."""
+    cfg = HarnessConfig(
+        block_size=BS,
+        num_gpu_blocks=32,
+        num_cpu_blocks=3,
+        max_num_batched_tokens=8 * BS,
+    )
+    e = Engine(cfg)
+    a = e.add_request(list(range(100, 100 + 4 * BS)), max_tokens=1)
+    e.step()
+    assert e.stats.finished == {a}, "finished in the step of its whole prompt"
+    e.run()
+    stored = [p for x in e.copy_backend.launched if x["is_store"] for p in x["pairs"]]
+    assert 1 <= len(stored) <= 2
+    assert [p for p in lost_or_wrong_cpu_blocks(e, [a]) if "wrong" in p] == []
+    assert_all_released(e)
+
+
+def test_a_flush_with_no_store_in_flight_leaves_no_request_state():
+    """The flush of a request that had no store in flight when it finished
+    (its earlier blocks all stored): once the flush's store completes, the
+    connector keeps nothing of the request."""
+    e = engine(store_delay=1)
+    a = e.add_request(PROMPT, max_tokens=1)
+    e.step()  # the first block is computed
+    e.step()  # stored now; the second is computed and the request finishes
+    assert e.stats.finished == {a}
+    e.run()
+    assert a not in e.offload._reqs_to_store
+    assert e.offload._finish_flushes == {}
+    assert not getattr(e.offload, "_store_event_to_reqs", {})
+    assert_all_released(e)
