@@ -318,17 +318,50 @@ def failed_traces(report: str) -> set[str]:
     return set(re.findall(r"(?m)^- (\S+ seed \d+):", failed))
 
 
+def pytest_command(python: Path, tests: list[str], *options: str) -> list[str]:
+    return [
+        str(python),
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "fork_upstream_plugin",
+        *options,
+        *tests,
+    ]
+
+
 class OracleBaseline:
-    """The traces the differential oracle fails on the unmutated series, run
-    once per series when a mutant first needs it. A series in the making
-    (a patch being amended, a new trace family) can fail some traces
-    itself; a mutant is killed by the oracle only for a trace more, not for
-    the ones the series already fails."""
+    """What fails on the unmutated series: the tests of the suite (run once,
+    before any mutant) and the traces the differential oracle fails (run
+    once per series when a mutant first needs it). A series in the making
+    (a patch being amended, its new reproducer, a new trace family) can
+    fail some itself; a mutant is killed only by a test or trace more, not
+    by the ones the series already fails, which are deselected."""
 
     def __init__(self, series_dir: Path, tree: Path) -> None:
         self.series_dir, self.tree = series_dir, tree
         self.lock = threading.Lock()
         self.failed: set[str] | None = None
+        self.failed_tests: list[str] = []
+
+    def find_failed_tests(self, worktree: Path, python: Path, tests: list[str]) -> None:
+        proc = subprocess.run(
+            pytest_command(python, tests),
+            cwd=ROOT,
+            env={**os.environ, **tree_env(worktree)},
+            capture_output=True,
+            text=True,
+        )
+        self.failed_tests = re.findall(r"(?m)^(?:FAILED|ERROR) (\S+)", proc.stdout)
+        if self.failed_tests:
+            print(
+                f"    the unmutated series fails {len(self.failed_tests)} tests of "
+                f"the suite ({', '.join(self.failed_tests)}): deselected",
+                file=sys.stderr,
+            )
 
     def get(self) -> set[str]:
         with self.lock:
@@ -363,19 +396,13 @@ def run_suite(
     the mutated `worktree`: ("killed", what failed) or ("survived", the
     suite's last line). With `baseline`, a trace the unmutated series fails
     too kills nothing."""
+    deselect = [
+        arg
+        for t in (baseline.failed_tests if baseline else [])
+        for arg in ("--deselect", t)
+    ]
     proc = subprocess.run(
-        [
-            str(python),
-            "-m",
-            "pytest",
-            "-x",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "fork_upstream_plugin",
-            *tests,
-        ],
+        pytest_command(python, tests, "-x", *deselect),
         cwd=ROOT,
         env={**os.environ, **tree_env(worktree)},
         capture_output=True,
@@ -452,6 +479,8 @@ def mutate_series(
     operators: list[OperatorMutant] = []
     free = list(worktrees)
     baseline = OracleBaseline(series.dir, tree)
+    if ("hunks" in kinds and hunks) or semantic:
+        baseline.find_failed_tests(worktrees[0], python, tests)
     try:
         with ThreadPoolExecutor(jobs) as pool:
 
