@@ -355,3 +355,28 @@ def test_an_inflight_prefill_reserves_only_its_window_of_sliding_window_blocks()
     assert {a, b} <= e.stats.finished
     assert e.stats.preemptions == 0
     assert e.runner.violations == []
+
+
+def test_with_no_connector_an_admission_beside_an_inflight_prefill_is_unchanged():
+    """The reservation applies to async loads only. With no connector, a
+    long prompt prefilled in capped chunks leaves budget in each step, and
+    a new request is admitted beside it at once, as the release does: its
+    first chunk (2 blocks) fits what is free, though not what is free less
+    the 16 blocks the prefill in flight still needs."""
+    cfg = HarnessConfig(
+        block_size=BS,
+        num_gpu_blocks=20,
+        offload=False,
+        max_num_batched_tokens=128,
+        long_prefill_token_threshold=2 * BS,
+    )
+    e = Engine(cfg)
+    long = e.add_request(list(range(1000, 1000 + 18 * BS)), max_tokens=1)
+    e.step()  # its first chunk: 2 of its 18 blocks
+    free = e.block_pool.get_num_free_blocks()
+    assert 2 <= free < 2 + 16
+    short = e.add_request(list(range(5000, 5000 + 5 * BS)), max_tokens=1)
+    so = e.step()
+    assert {long, short} <= set(so.num_scheduled_tokens)
+    e.run()
+    assert e.stats.finished == {long, short}
