@@ -108,3 +108,31 @@ def test_no_request_is_preempted_for_blocks_it_cannot_give_back_yet():
         e.step()
     assert futile == []
     assert not e.busy()
+
+
+def test_the_prefix_cache_resets_while_frees_wait_for_a_step_in_flight():
+    """Blocks whose free waits for a step in flight hold no prefix any
+    request can reach: resetting the prefix cache (after a weight update,
+    or to sleep) succeeds as on the release, both when a request just
+    stopped with its next step in flight and when every running request
+    is preempted for the reset; the blocks come back without a hash."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS, num_gpu_blocks=32, num_cpu_blocks=64, async_scheduling=True
+        )
+    )
+    s = e.scheduler
+    stopped = e.add_request(list(range(100, 100 + 2 * BS)), 40, stop_at=2 * BS + 3)
+    while stopped in s.requests:
+        e.step()
+    assert s.reset_prefix_cache()
+
+    for i in range(1, 4):
+        e.add_request(list(range(1000 * i, 1000 * i + BS + 3)), max_tokens=50)
+    for _ in range(6):
+        e.step()
+    assert s.running and e.in_flight
+    assert s.reset_prefix_cache(reset_running_requests=True)
+    e.run()
+    assert len(e.stats.finished) == 4
+    assert e.block_pool.get_num_free_blocks() == 31
