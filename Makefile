@@ -17,7 +17,7 @@ PICK = $(if $(filter command line,$(origin VERSION)),--version $(VERSION),--seri
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-releases test-slow bench rebase \
 	rebase-continue rebase-abort matrix wheel overlay image export import soak differential \
-	mutate e2e clean standin upstream-cut bisect-upstream canary
+	mutate e2e clean standin upstream-cut bisect-upstream canary ledger
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z0-9-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -78,6 +78,9 @@ rebase-abort: ## undo the rebase in progress (the tree as it was)
 
 matrix: ## patches and reproducers on releases 0.19.0 .. 0.33.0 (.work/matrix/)
 	$(PYTHON) scripts/keep/matrix.py --series $(SERIES) $(if $(RELEASES),--releases $(RELEASES))
+
+ledger: ## write docs/ledger.md (the bug ledger) and print each bug's standing per release (RELEASES=; default all)
+	$(PYTHON) scripts/keep/ledger.py --releases $(or $(RELEASES),all)
 
 standin: ## a linear stand-in for upstream's history from the release sdists (.work/upstream/standin.git)
 	$(PYTHON) scripts/keep/standin.py

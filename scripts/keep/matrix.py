@@ -15,6 +15,11 @@ sdist is looked up on PyPI, fetched and checked out bare
   reproducers pass there), "upstream (code)" (its change is there already),
   or "conflict" (then skipped, and the next patches are tried without it).
 
+Then, computed without running anything more, where each bug of the ledger
+(docs/ledger.md, scripts/data/ledger.toml) stands on each release: fixed
+upstream, fixed by the fork (patch N: the release's own series carries it),
+open, or "-" (the release does not have it).
+
 Writes .work/matrix/matrix.md and matrix.json and prints the markdown.
 """
 
@@ -31,6 +36,7 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from keep.apply import checkout_release, fetch_base, init_tree
 from keep.fetch import ensure_base, resolve_release
+from keep.ledger import SeriesView, load, status
 from keep.rebase_replay import (
     CLEAN,
     CONFLICT,
@@ -170,9 +176,20 @@ def build(
             },
             "seconds": {k: round(v, 1) for k, v in seconds.items()},
         }
+    matrix["ledger"] = ledger_statuses(releases)
     (out / "matrix.json").write_text(json.dumps(matrix, indent=1) + "\n")
     (out / "matrix.md").write_text(markdown(matrix))
     return matrix
+
+
+def ledger_statuses(releases: list[str]) -> dict[str, dict[str, str]]:
+    """Each ledger bug's standing on each release, from the ledger's data and
+    the committed series (each release's own), not from this run."""
+    view = SeriesView()
+    return {
+        bug.id: {v: status(bug, v, view) for v in releases}
+        for bug in load(known=view.releases)
+    }
 
 
 def markdown(matrix: dict) -> str:
@@ -217,6 +234,20 @@ def markdown(matrix: dict) -> str:
     if notes:
         lines += ["", "Notes:", ""]
         lines += [f"{n}. {note}" for note, n in notes.items()]
+    if matrix.get("ledger"):
+        lines += [
+            "",
+            "## The ledger on each release",
+            "",
+            "From docs/ledger.md and each release's committed series: fixed "
+            "upstream, fixed by the fork (patch N), open, or - (the release "
+            "does not have the bug).",
+            "",
+            head.format("bug"),
+            rule,
+        ]
+        for bug, cells in matrix["ledger"].items():
+            lines.append(f"| {bug} | " + " | ".join(cells[r] for r in releases) + " |")
     lines += [
         "",
         "## Time per release (seconds)",
