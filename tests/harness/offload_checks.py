@@ -93,3 +93,13 @@ def unordered_transfers(e: Engine) -> list[str]:
                     f"{got}, want {want}"
                 )
     return problems
+
+
+def load_races(e: Engine) -> list[str]:
+    """The fake CUDA's races in which a load takes part (a bare release
+    before 0.24.0 also has unordered stores, which patch 0005 fixes)."""
+    return [
+        str(r)
+        for r in e.cuda.races
+        if "load" in (r.first.op.stream, r.second.op.stream)
+    ]

@@ -23,22 +23,8 @@ def cuda():
 
 def store(cuda: FakeCuda, order: int) -> None:
     """Issue a GPU->CPU copy of BLOCK on the store stream, as the driver
-    would receive it, and complete it."""
-    t = cuda.tensors
-    src = (ctypes.c_uint64 * 1)(t["gpu"].data_ptr() + BLOCK)
-    dst = (ctypes.c_uint64 * 1)(t["cpu"].data_ptr() + BLOCK)
-    attrs = ctypes.c_uint(order)
-    cuda.batch_memcpy(
-        ctypes.addressof(dst),
-        ctypes.addressof(src),
-        0,
-        1,
-        ctypes.addressof(attrs),
-        None,
-        1,
-        None,
-        cuda.store.cuda_stream,
-    )
+    would receive it."""
+    copy(cuda, is_store=True, order=order)
 
 
 def compute_event() -> FakeEvent:

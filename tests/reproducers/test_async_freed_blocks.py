@@ -15,6 +15,7 @@ fake CUDA's happens-before checker (harness.fake_cuda) reports the pair.
 from __future__ import annotations
 
 from harness.engine import Engine, HarnessConfig
+from harness.offload_checks import load_races
 
 BS = 16
 PREFIX = list(range(100, 100 + 4 * BS + 3))
@@ -48,16 +49,6 @@ def run_stop_then_hit(async_scheduling: bool) -> tuple[Engine, set[int], set[int
         d for x in e.copy_backend.launched if not x["is_store"] for _, d in x["pairs"]
     }
     return e, set(held), loaded
-
-
-def load_races(e: Engine) -> list[str]:
-    """Unordered pairs in which a load takes part (a bare release before
-    0.24.0 also has unordered stores, which patch 0005 fixes)."""
-    return [
-        str(r)
-        for r in e.cuda.races
-        if "load" in (r.first.op.stream, r.second.op.stream)
-    ]
 
 
 def test_a_load_never_overwrites_blocks_a_step_in_flight_uses():

@@ -16,6 +16,7 @@ the pair.
 from __future__ import annotations
 
 from harness.engine import Engine, HarnessConfig
+from harness.offload_checks import load_races
 
 BS = 16
 PREFIX = list(range(100, 100 + 4 * BS + 3))
@@ -46,16 +47,6 @@ def run(async_scheduling: bool) -> Engine:
     e.add_request(PREFIX + [7, 8], max_tokens=3)
     e.run(max_steps=400)
     return e
-
-
-def load_races(e: Engine) -> list[str]:
-    """Unordered pairs a load takes part in (a bare release before 0.24.0
-    also has unordered stores, which patch 0005 fixes)."""
-    return [
-        str(r)
-        for r in e.cuda.races
-        if "load" in (r.first.op.stream, r.second.op.stream)
-    ]
 
 
 def test_a_load_never_overwrites_window_blocks_a_step_in_flight_writes():
