@@ -77,6 +77,17 @@ def test_a_series_that_crashes_or_breaks_an_invariant_fails():
         assert compare(0, NO_CONNECTOR, base, series, []).kind == "FAILED"
 
 
+def test_a_series_that_crashes_as_the_base_does_is_the_base_failing():
+    """The release's own crash, in the same function with the same message
+    (lines moved by the patches), is no regression; another crash is."""
+    crash = "RuntimeError at vllm/v1/core/sched/scheduler.py:{} schedule: Invalid"
+    base = rec(step(), step(free=1), crash=crash.format(830))
+    series = rec(step(), step(free=1), crash=crash.format(910))
+    assert compare(0, NO_CONNECTOR, base, series, []).kind == "base-failed"
+    series = rec(step(), step(free=1), crash="ValueError at x.py:3 f: other")
+    assert compare(0, NO_CONNECTOR, base, series, []).kind == "FAILED"
+
+
 def test_a_run_that_goes_on_longer_diverges_where_the_other_ended():
     v = compare(0, NO_CONNECTOR, rec(step()), rec(step(), step()), [])
     assert v.kind == "FAILED" and "['ended']" in v.detail
