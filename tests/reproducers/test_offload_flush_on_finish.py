@@ -21,14 +21,14 @@ PROMPT = list(range(100, 100 + 2 * BS))
 EXTENDED = PROMPT + list(range(900, 900 + BS + 1))
 
 
-def engine(store_delay: int = 0) -> Engine:
-    # One block of prefill per step: the prompt's second block is computed
-    # in the step that samples its only output token.
+def engine(store_delay: int = 0, blocks_per_step: int = 1) -> Engine:
+    # One block of prefill per step by default: the prompt's second block
+    # is computed in the step that samples its only output token.
     cfg = HarnessConfig(
         block_size=BS,
         num_gpu_blocks=32,
         num_cpu_blocks=32,
-        max_num_batched_tokens=BS,
+        max_num_batched_tokens=blocks_per_step * BS,
         transfer_delay=lambda is_store: store_delay if is_store else 0,
     )
     return Engine(cfg)
@@ -147,16 +147,42 @@ def test_a_flush_stores_only_what_the_free_cpu_blocks_hold():
 
 
 def test_a_flush_with_no_store_in_flight_leaves_no_request_state():
-    """The flush of a request that had no store in flight when it finished
-    (its earlier blocks all stored): once the flush's store completes, the
-    connector keeps nothing of the request."""
-    e = engine(store_delay=1)
+    """A request that finishes in the step that computes its whole prompt
+    never had a store in flight: the flush is its only store. Once that
+    store completes, the connector keeps nothing of the request (the flush
+    must name the request in its store event, or its state is never
+    cleaned up)."""
+    e = engine(store_delay=1, blocks_per_step=2)
     a = e.add_request(PROMPT, max_tokens=1)
-    e.step()  # the first block is computed
-    e.step()  # stored now; the second is computed and the request finishes
+    e.step()  # both blocks computed, the request finishes
     assert e.stats.finished == {a}
+    state = e.offload._reqs_to_store[a]
+    assert state.finished and not state.store_events
+    e.step()  # the flush joins this step's store event
+    assert state.store_events, "the flush's event is the request's"
     e.run()
     assert a not in e.offload._reqs_to_store
     assert e.offload._finish_flushes == {}
     assert not getattr(e.offload, "_store_event_to_reqs", {})
+    assert lost_or_wrong_cpu_blocks(e, [a]) == []
+    assert_all_released(e)
+
+
+def test_a_flush_goes_on_past_a_block_another_flush_stores():
+    """Two requests that share a prefix block finish in the same step,
+    neither block stored yet: the first one's flush takes the shared block,
+    and the second one's must skip it and still store its own block after
+    it, or that block never reaches the CPU."""
+    e = engine(blocks_per_step=4)
+    a = e.add_request(PROMPT, max_tokens=1)
+    # B hits A's first block, cached when A was allocated in this schedule.
+    b = e.add_request(PROMPT[:BS] + list(range(500, 500 + BS)), max_tokens=1)
+    e.step()
+    assert e.stats.finished == {a, b}, "both finish in the step of their prompt"
+    shared = e.runner.tables[a][0][0]
+    assert e.runner.tables[b][0][0] == shared, "B hits A's first block"
+    assert shared in e.offload._finish_flushes[a].gpu_block_ids
+    assert e.runner.tables[b][0][1] in e.offload._finish_flushes[b].gpu_block_ids
+    e.run()
+    assert lost_or_wrong_cpu_blocks(e, [a, b]) == []
     assert_all_released(e)
