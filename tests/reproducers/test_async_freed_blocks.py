@@ -15,6 +15,7 @@ fake CUDA's happens-before checker (harness.fake_cuda) reports the pair.
 from __future__ import annotations
 
 from harness.engine import Engine, HarnessConfig
+from harness.invariants import assert_pool_ok
 from harness.offload_checks import load_races
 
 BS = 16
@@ -127,3 +128,23 @@ def test_the_prefix_cache_resets_while_frees_wait_for_a_step_in_flight():
     e.run()
     assert len(e.stats.finished) == 4
     assert e.block_pool.get_num_free_blocks() == 31
+
+
+def test_deferred_blocks_come_back_once_their_step_is_processed():
+    """A request that stops with its next step in flight gives its blocks
+    back when that step's output is processed, not a step later: it is
+    the last step the engine runs, so a late drain would keep them out of
+    the pool for good."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS, num_gpu_blocks=16, num_cpu_blocks=64, async_scheduling=True
+        )
+    )
+    s = e.scheduler
+    stopped = e.add_request(PREFIX, max_tokens=40, stop_at=len(PREFIX) + 2)
+    while stopped in s.requests and not e.stats.finished:
+        e.step()
+    assert e.in_flight, "its next step is in flight when it stops"
+    e.run()
+    assert not getattr(s, "deferred_frees", ())
+    assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")

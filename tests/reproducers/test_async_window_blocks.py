@@ -74,3 +74,41 @@ def test_without_a_connector_window_blocks_are_dropped_as_before():
     record = trace_worker.run(70, "async-mixed")
     assert record["crash"] is None and record["violation"] is None
     assert not record["stalled"]
+
+
+def test_a_request_that_stops_keeps_every_block_its_step_in_flight_reads():
+    """A request that stops on a sampled token has its next step in flight:
+    that step computes one more token and attends to the window behind it.
+    When the request finishes, the window blocks dropped before its blocks
+    go to the connector must be those the processed tokens left behind,
+    not those the in-flight token will: a block freed there goes straight
+    back to the pool while the forward still reads it."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=32,
+            num_cpu_blocks=64,
+            hybrid=True,
+            sliding_window=32,
+            async_scheduling=True,
+        )
+    )
+    forward = e.runner.forward
+    reads: list[list[int]] = []
+
+    def record_reads(name, step_reads, writes):
+        reads.append(list(step_reads))
+        return forward(name, step_reads, writes)
+
+    e.runner.forward = record_reads
+    # It stops on the token sampled at position 46; the step in flight then
+    # computes token 46, whose window (tokens 15-46) reaches the first
+    # window block by its last token.
+    r = e.add_request(list(range(100, 140)), max_tokens=40, stop_at=46)
+    while r not in e.stats.finished:
+        e.step()
+    assert e.in_flight, "its next step is in flight when it stops"
+    freed = [b for b in reads[-1] if e.block_pool.blocks[b].ref_cnt == 0]
+    assert freed == [], f"blocks the step in flight reads are free: {freed}"
+    e.run()
+    assert load_races(e) == []
