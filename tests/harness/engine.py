@@ -28,18 +28,20 @@ get_finished launches both; from 0.30 start_load_kv loads and wait_for_save
 stores), so all of them are called.
 
 A content tag names the exact tokens a block holds (the chain of token
-blocks before it, and its own tokens), computed from the request's tokens
-and independent of vLLM's block hashes. A block that is lost, stale or
-misplaced is therefore caught by value when it is read, not by counting.
+blocks before it, and its own tokens, counted in its group's block size),
+computed from the request's tokens and independent of vLLM's block hashes.
+A block that is lost, stale or misplaced is therefore caught by value when
+it is read, not by counting.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,12 +88,22 @@ init_none_hash(sha256)
 
 @dataclass
 class HarnessConfig:
+    # The smallest group's block size: vLLM's cache_config.block_size, which
+    # EngineCore sets to the smallest group's, and the hash block size.
     block_size: int = 16
     num_gpu_blocks: int = 64
     num_cpu_blocks: int = 64
     # Full attention only, or full attention + sliding window (hybrid).
     hybrid: bool = False
     sliding_window: int = 64
+    # The full-attention group's and the sliding-window group's block sizes,
+    # as multiples of block_size (one of them 1). vLLM gives groups different
+    # block sizes when their layers' KV per token differs: it grows a
+    # group's block until every group's page has one size, so here a group
+    # with a multiple m has heads m times smaller. The hybrid coordinator
+    # then hashes at the smallest size and checks hits at the largest.
+    full_block_multiple: int = 1
+    swa_block_multiple: int = 1
     offload: bool = True
     lazy: bool = False
     max_num_batched_tokens: int = 128
@@ -119,6 +131,13 @@ class HarnessConfig:
     async_scheduling: bool = False
     # Steps after launch at which a transfer completes (0: in the same step).
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
+
+    def group_block_sizes(self) -> list[int]:
+        """Each KV cache group's block size, in group order."""
+        multiples = [self.full_block_multiple]
+        if self.hybrid:
+            multiples.append(self.swa_block_multiple)
+        return [self.block_size * m for m in multiples]
 
 
 def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
@@ -198,39 +217,60 @@ def make_kv_cache_config(cfg: HarnessConfig) -> KVCacheConfig:
     """One full-attention group, plus a sliding-window group when hybrid.
 
     As in vLLM's hybrid layout, the groups share one KV cache tensor and
-    one block pool: each block id belongs to one group at a time.
+    one block pool: each block id belongs to one group at a time, and every
+    group's page (a block of one layer) has one size, however many tokens
+    its block holds.
     """
+    sizes = cfg.group_block_sizes()
+    if min(sizes) != cfg.block_size:
+        raise ValueError(f"group block sizes {sizes}: the smallest must be block_size")
     page = PAGE_BYTES * cfg.block_size
-    groups = [
-        KVCacheGroupSpec(
-            ["full.0"],
-            FullAttentionSpec(
-                block_size=cfg.block_size,
-                num_kv_heads=NUM_KV_HEADS,
-                head_size=HEAD_SIZE,
-                dtype=DTYPE,
-            ),
-        )
-    ]
+    kinds = [("full.0", FullAttentionSpec, {})]
     if cfg.hybrid:
+        kinds.append(
+            ("swa.0", SlidingWindowSpec, {"sliding_window": cfg.sliding_window})
+        )
+    groups = []
+    for (layer, spec, extra), size in zip(kinds, sizes, strict=True):
+        multiple = size // cfg.block_size
+        if HEAD_SIZE % multiple:
+            raise ValueError(f"block size multiple {multiple} must divide {HEAD_SIZE}")
+        # Heads as much smaller as the block is larger: the page stays `page`.
+        head_size = HEAD_SIZE // multiple
         groups.append(
             KVCacheGroupSpec(
-                ["swa.0"],
-                SlidingWindowSpec(
-                    block_size=cfg.block_size,
+                [layer],
+                spec(
+                    block_size=size,
                     num_kv_heads=NUM_KV_HEADS,
-                    head_size=HEAD_SIZE,
+                    head_size=head_size,
                     dtype=DTYPE,
-                    sliding_window=cfg.sliding_window,
+                    **extra,
                 ),
             )
         )
+        assert groups[-1].kv_cache_spec.page_size_bytes == page
     layers = [name for g in groups for name in g.layer_names]
     return KVCacheConfig(
         num_blocks=cfg.num_gpu_blocks,
         kv_cache_tensors=[shared_tensor(page * cfg.num_gpu_blocks, layers, page)],
         kv_cache_groups=groups,
     )
+
+
+def scheduler_block_sizes(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[int, int]:
+    """(scheduler block size, hash block size) as the release's EngineCore
+    gives them to its Scheduler. From 0.20.0 resolve_kv_cache_block_sizes
+    does it (with groups of different sizes: their LCM and GCD); up to
+    0.19.1 both are cache_config.block_size, the smallest group's."""
+    try:
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    except ImportError:
+        size = vllm_config.cache_config.block_size
+        return size, size
+    return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
 
 
 def sampled_token(req_id: str, position: int) -> int:
@@ -252,13 +292,18 @@ def token_ids(req: Request, upto: int) -> list[int]:
 class ContentOracle:
     """The content tag each block of a request must hold."""
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
-        self._chains: dict[str, list[int]] = {}
+    def __init__(self, block_sizes: int | Sequence[int]):
+        """`block_sizes`: each group's block size, or one for every group."""
+        self.block_sizes = block_sizes
+        # (request, block size) -> the chain of its full blocks' tags.
+        self._chains: dict[tuple[str, int], list[int]] = {}
 
-    def _chain(self, req: Request, upto: int) -> list[int]:
-        chain = self._chains.setdefault(req.request_id, [])
-        bs = self.block_size
+    def block_size(self, group: int) -> int:
+        sizes = self.block_sizes
+        return sizes if isinstance(sizes, int) else sizes[group]
+
+    def _chain(self, req: Request, bs: int, upto: int) -> list[int]:
+        chain = self._chains.setdefault((req.request_id, bs), [])
         if len(chain) < upto:
             tokens = token_ids(req, upto * bs)
         while len(chain) < upto:
@@ -268,11 +313,12 @@ class ContentOracle:
         return chain
 
     def tag(self, req: Request, group: int, index: int, num_tokens: int) -> tuple:
-        """Tag of block `index` of `req` in `group` holding `num_tokens`."""
-        bs = self.block_size
+        """Tag of block `index` of `req` in `group` holding `num_tokens`
+        (blocks are counted in the group's own block size)."""
+        bs = self.block_size(group)
         if num_tokens == bs:
-            return ("full", group, self._chain(req, index + 1)[index])
-        prev = self._chain(req, index)[index - 1] if index else 0
+            return ("full", group, self._chain(req, bs, index + 1)[index])
+        prev = self._chain(req, bs, index)[index - 1] if index else 0
         start = index * bs
         return (
             "part",
@@ -282,7 +328,8 @@ class ContentOracle:
         )
 
     def forget(self, req_id: str) -> None:
-        self._chains.pop(req_id, None)
+        for key in [k for k in self._chains if k[0] == req_id]:
+            del self._chains[key]
 
 
 @dataclass
@@ -326,10 +373,11 @@ class FakeModelRunner:
         KV tag)."""
         self.cfg, self.kv, self.requests = cfg, kv, requests
         self.forward = forward
-        self.oracle = ContentOracle(cfg.block_size)
+        self.block_sizes = cfg.group_block_sizes()
+        self.oracle = ContentOracle(self.block_sizes)
         self.tables: dict[str, list[list[int]]] = {}
         self.violations: list[Violation] = []
-        self.num_groups = 2 if cfg.hybrid else 1
+        self.num_groups = len(self.block_sizes)
 
     def _update_tables(self, so: SchedulerOutput) -> dict[str, int]:
         computed: dict[str, int] = {}
@@ -355,7 +403,7 @@ class FakeModelRunner:
 
     def _needed(self, group: int, computed: int) -> range:
         """Block indices a step starting at `computed` attends to."""
-        bs = self.cfg.block_size
+        bs = self.block_sizes[group]
         if group == 1:  # sliding window
             first = max(0, computed - (self.cfg.sliding_window - 1)) // bs
         else:
@@ -364,7 +412,6 @@ class FakeModelRunner:
 
     def execute(self, so: SchedulerOutput, step: int) -> ModelRunnerOutput:
         computed = self._update_tables(so)
-        bs = self.cfg.block_size
         req_ids, sampled = [], []
         reads: list[int] = []
         writes: dict[int, Any] = {}
@@ -372,7 +419,7 @@ class FakeModelRunner:
             req = self.requests[req_id]
             c = computed[req_id]
             table = self.tables[req_id]
-            for g in range(self.num_groups):
+            for g, bs in enumerate(self.block_sizes):
                 for i in self._needed(g, c):
                     bid = table[g][i]
                     want = self.oracle.tag(req, g, i, min(bs, c - i * bs))
@@ -486,17 +533,28 @@ class Engine:
         self.vllm_config.cache_config.num_gpu_blocks = self.cfg.num_gpu_blocks
         self.kv_cache_config = make_kv_cache_config(self.cfg)
         scheduler_class = AsyncScheduler if self.cfg.async_scheduling else Scheduler
+        block_size, self.hash_block_size = scheduler_block_sizes(
+            self.vllm_config, self.kv_cache_config
+        )
+        # Up to 0.19.1 the Scheduler hashes at its own block size.
+        params = inspect.signature(Scheduler.__init__).parameters
+        hashing = (
+            {"hash_block_size": self.hash_block_size}
+            if "hash_block_size" in params
+            else {}
+        )
         self.scheduler = scheduler_class(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=self.cfg.block_size,
+            block_size=block_size,
             log_stats=self.cfg.log_stats,
+            **hashing,
         )
         self.kv = FakeKV()
         self.stats = StepStats()
         self.requests: dict[str, Request] = {}
-        self.block_hasher = get_request_block_hasher(self.cfg.block_size, sha256)
+        self.block_hasher = get_request_block_hasher(self.hash_block_size, sha256)
         self.cuda = FakeCuda(
             self.kv.gpu,
             self.kv.cpu,

@@ -7,10 +7,14 @@ reached the CPU is lost, one holding another tag is wrong.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from vllm import SamplingParams
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+from vllm.v1.core.kv_cache_utils import (
+    BlockHashListWithBlockSize,
+    make_block_hash_with_group_id,
+)
 from vllm.v1.request import Request
 
 from harness.engine import ContentOracle, Engine
@@ -29,9 +33,21 @@ def new_request(
     )
 
 
+def group_block_hashes(e: Engine, req: Request, group: int) -> Any:
+    """The request's block hashes counted in `group`'s blocks: a group whose
+    blocks are larger than the hash block is cached under the hash of all
+    the hash blocks each of its blocks covers, as the block pool keys it."""
+    size = e.cfg.group_block_sizes()[group]
+    if size == e.hash_block_size:
+        return req.block_hashes
+    return BlockHashListWithBlockSize(req.block_hashes, e.hash_block_size, size)
+
+
 def cpu_block_of(e: Engine, req: Request, index: int, group: int = 0) -> Any:
-    """The CPU block caching block `index` of `req` in `group`, or None."""
-    key = make_block_hash_with_group_id(req.block_hashes[index], group)
+    """The CPU block caching block `index` of `req` in `group` (counted in
+    that group's blocks), or None."""
+    hashes = group_block_hashes(e, req, group)
+    key = make_block_hash_with_group_id(hashes[index], group)
     return e.offload.cpu_block_pool.cached_block_hash_to_block.get_one_block(key)
 
 
@@ -45,24 +61,28 @@ def lost_or_wrong_cpu_blocks(e: Engine, req_ids: list[str]) -> list[str]:
     wrong content: every full-attention block, and in a hybrid layout the
     sliding-window blocks of the request's last window (those before it
     were dropped on the GPU and need not reach the CPU, but any of them the
-    CPU holds must hold the right content). Needs a CPU pool large enough
-    that nothing was evicted from it."""
-    oracle = ContentOracle(e.cfg.block_size)
-    bs = e.cfg.block_size
+    CPU holds must hold the right content). With groups of different block
+    sizes, a prefix hit ends on a multiple of every group's block size, so
+    a block past the request's last such multiple could never serve one
+    (from 0.22.0 the hybrid coordinator does not even cache it): it need
+    not reach the CPU either. Needs a CPU pool large enough that nothing
+    was evicted from it."""
+    sizes = e.cfg.group_block_sizes()
+    oracle = ContentOracle(sizes)
+    hit_unit = math.lcm(*sizes)
     problems = []
     for req_id in req_ids:
         req = e.requests[req_id]
-        num_full = req.num_computed_tokens // bs
-        groups = {0: 0}
-        if e.cfg.hybrid:
-            last_window = max(0, req.num_computed_tokens - e.cfg.sliding_window + 1)
-            groups[1] = last_window // bs
-        for group, first_needed in groups.items():
-            for i in range(num_full):
+        last_window = max(0, req.num_computed_tokens - e.cfg.sliding_window + 1)
+        hittable = req.num_computed_tokens // hit_unit * hit_unit
+        for group, bs in enumerate(sizes):
+            # Group 0 is full attention, group 1 the sliding window.
+            needed = range(last_window // bs if group == 1 else 0, hittable // bs)
+            for i in range(req.num_computed_tokens // bs):
                 want = oracle.tag(req, group, i, bs)
                 got = cpu_tag(e, req, i, group)
                 stored = cpu_block_of(e, req, i, group) is not None
-                if got == want or (not stored and i < first_needed):
+                if got == want or (not stored and i not in needed):
                     continue
                 what = "wrong" if stored else "lost"
                 problems.append(f"{req_id} group {group} block #{i}: {what} ({got!r})")

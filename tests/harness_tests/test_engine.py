@@ -26,11 +26,23 @@ def run_three(cfg: HarnessConfig, corrupt_cpu: bool = False) -> Engine:
     return e
 
 
-@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
+# (hybrid, full attention's and sliding window's block size multiples)
+LAYOUTS = {
+    "full": (False, 1, 1),
+    "hybrid": (True, 1, 1),
+    "hybrid-full-blocks-larger": (True, 2, 1),
+    "hybrid-window-blocks-larger": (True, 1, 4),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
-def test_requests_finish_with_loads_and_consistent_pools(hybrid, lazy):
+def test_requests_finish_with_loads_and_consistent_pools(layout, lazy):
+    hybrid, full_multiple, swa_multiple = LAYOUTS[layout]
     cfg = HarnessConfig(
         hybrid=hybrid,
+        full_block_multiple=full_multiple,
+        swa_block_multiple=swa_multiple,
         lazy=lazy,
         num_gpu_blocks=64,
         num_cpu_blocks=256,
@@ -81,3 +93,23 @@ def test_without_offload_the_scheduler_runs_alone():
     e.run()
     assert len(e.stats.finished) == 2 and e.runner.violations == []
     assert_pool_ok(e.block_pool, all_done=True)
+
+
+def test_groups_of_different_block_sizes_share_one_page_size():
+    """A group whose blocks hold more tokens has smaller heads, as vLLM's
+    page-size unification makes it: the groups share one tensor and one
+    pool. The scheduler hashes at the smallest block size (vLLM's
+    cache_config.block_size), and the runner checks each group's blocks
+    at that group's size."""
+    cfg = HarnessConfig(block_size=16, hybrid=True, full_block_multiple=2)
+    e = Engine(cfg)
+    specs = [g.kv_cache_spec for g in e.kv_cache_config.kv_cache_groups]
+    assert [s.block_size for s in specs] == [32, 16]
+    assert specs[0].page_size_bytes == specs[1].page_size_bytes
+    assert e.hash_block_size == 16
+    a = e.add_request(list(range(100, 164)), max_tokens=2)
+    e.step()  # the whole prompt
+    assert len(e.requests[a].block_hashes) == 4
+    assert [len(ids) for ids in e.runner.tables[a]] == [2, 4]
+    e.run()
+    assert e.runner.violations == []

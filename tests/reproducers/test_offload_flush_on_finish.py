@@ -12,6 +12,8 @@ series.
 
 from __future__ import annotations
 
+import pytest
+
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok
 from harness.offload_checks import cpu_block_of, lost_or_wrong_cpu_blocks
@@ -185,4 +187,49 @@ def test_a_flush_goes_on_past_a_block_another_flush_stores():
     assert e.runner.tables[b][0][1] in e.offload._finish_flushes[b].gpu_block_ids
     e.run()
     assert lost_or_wrong_cpu_blocks(e, [a, b]) == []
+    assert_all_released(e)
+
+
+@pytest.mark.parametrize(
+    ("full_multiple", "swa_multiple"),
+    [(2, 1), (1, 2)],
+    ids=["full-blocks-larger", "window-blocks-larger"],
+)
+def test_a_flush_counts_each_groups_blocks_at_its_own_size(
+    full_multiple: int, swa_multiple: int
+):
+    """A hybrid layout whose groups have different block sizes: one group's
+    blocks hold two of the other's. A request that finishes in the step
+    that computes its three-small-block prompt has stored nothing, so its
+    flush must store, in each group, the blocks full at that group's own
+    size. Counted at group 0's larger size, the window group's second
+    block is never stored, and a later prompt extending this one finds no
+    CPU hit: a hit ends on a multiple of both sizes (two small blocks
+    here), and the window group lacks a block of it."""
+    cfg = HarnessConfig(
+        block_size=BS,
+        hybrid=True,
+        full_block_multiple=full_multiple,
+        swa_block_multiple=swa_multiple,
+        num_gpu_blocks=32,
+        num_cpu_blocks=32,
+        max_num_batched_tokens=4 * BS,
+    )
+    e = Engine(cfg)
+    prompt = list(range(100, 100 + 3 * BS))
+    a = e.add_request(prompt, max_tokens=1)
+    e.step()
+    assert e.stats.finished == {a}, "finished in the step of its whole prompt"
+    e.run()
+    assert lost_or_wrong_cpu_blocks(e, [a]) == []
+
+    # Only the CPU has the prompt now: the extension loads the hit, one
+    # large block and two small ones.
+    assert e.block_pool.reset_prefix_cache()
+    b = e.add_request(prompt + list(range(900, 900 + BS + 1)), max_tokens=1)
+    e.run()
+    loads = [x for x in e.copy_backend.launched if not x["is_store"]]
+    assert sum(len(x["pairs"]) for x in loads) == 3
+    assert e.stats.finished == {a, b}
+    assert e.runner.violations == []
     assert_all_released(e)
