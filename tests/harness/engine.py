@@ -18,7 +18,9 @@ SimpleCPUOffloadConnector's scheduler side, and its worker side
 With `async_scheduling` the engine runs as vLLM's EngineCore does with a
 batch queue of two: step N+1 is scheduled and launched before step N's
 output is processed, so output placeholders are live, and the host learns
-step N's compute done only when it reads step N's sampled tokens.
+step N's compute done only when it reads step N's sampled tokens. With
+`pipeline_parallel_size` > 1 it keeps one step in flight per stage, as
+EngineCore does for pipeline parallelism.
 
 The worker is driven as each release's model runner drives its connector
 (KVConnectorModelRunnerMixin): handle_preemptions, bind, start_load_kv,
@@ -129,6 +131,11 @@ class HarnessConfig:
     # Schedule step N+1 before step N's output is processed (vLLM's
     # --async-scheduling: AsyncScheduler and a batch queue of two).
     async_scheduling: bool = False
+    # Pipeline stages, as the scheduler sees them: EngineCore keeps this
+    # many steps in flight (its batch queue), and without async scheduling
+    # a request is scheduled again only once its step's output is back.
+    # The fake runner still runs each step as one forward.
+    pipeline_parallel_size: int = 1
     # Steps after launch at which a transfer completes (0: in the same step).
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
 
@@ -189,6 +196,9 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
     # and the scheduler reads it (e.g. to defer freeing blocks a step in
     # flight still uses).
     config.scheduler_config.async_scheduling = cfg.async_scheduling
+    # Set after the config is built: its checks want a distributed executor
+    # for more than one stage, which the scheduler never uses.
+    config.parallel_config.pipeline_parallel_size = cfg.pipeline_parallel_size
     return config
 
 
@@ -671,11 +681,13 @@ class Engine:
     # --- stepping -----------------------------------------------------------
     def step(self) -> SchedulerOutput | None:
         """One engine step. Synchronous: schedule, run, process the output.
-        With async scheduling, as EngineCore.step_with_batch_queue: schedule
-        and launch a step (when there are requests), and process the oldest
-        step's output once two are in flight or nothing new was scheduled.
-        Returns the step scheduled, if any."""
-        if not self.cfg.async_scheduling:
+        With async scheduling or pipeline stages, as
+        EngineCore.step_with_batch_queue: schedule and launch a step (when
+        there are requests), and process the oldest step's output once the
+        batch queue is full (two steps, or one per stage) or nothing new was
+        scheduled. Returns the step scheduled, if any."""
+        stages = self.cfg.pipeline_parallel_size
+        if not self.cfg.async_scheduling and stages == 1:
             so, out = self._launch(host_sync=True)
             self._process(so, out)
             return so
@@ -683,7 +695,8 @@ class Engine:
         if self.scheduler.has_requests() or not self.in_flight:
             so, out = self._launch(host_sync=False)
             self.in_flight.append((so, out, self.cuda.compute_mark()))
-            if so.total_num_scheduled_tokens > 0 and len(self.in_flight) < 2:
+            depth = stages if stages > 1 else 2
+            if so.total_num_scheduled_tokens > 0 and len(self.in_flight) < depth:
                 return so
         old, out, mark = self.in_flight.popleft()
         # The host reads that step's sampled tokens: its forward is done.

@@ -14,6 +14,8 @@ fake CUDA's happens-before checker (harness.fake_cuda) reports the pair.
 
 from __future__ import annotations
 
+import pytest
+
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok
 from harness.offload_checks import load_races
@@ -148,3 +150,42 @@ def test_deferred_blocks_come_back_once_their_step_is_processed():
     e.run()
     assert not getattr(s, "deferred_frees", ())
     assert_pool_ok(e.block_pool, all_done=True, label="GPU pool")
+
+
+@pytest.mark.parametrize("overlap", ["async", "pipeline-2"])
+def test_a_load_never_overwrites_blocks_of_a_request_aborted_in_flight(overlap):
+    """A request aborted while a step that computes it is in flight (with
+    async scheduling, or a second pipeline stage) gives its blocks back
+    only once that step is processed: a load into them before then would
+    race the forward."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=16,
+            num_cpu_blocks=64,
+            async_scheduling=overlap == "async",
+            pipeline_parallel_size=2 if overlap == "pipeline-2" else 1,
+        )
+    )
+    e.add_request(PREFIX, max_tokens=2)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    long = e.add_request(LONG, max_tokens=40)
+    manager = e.scheduler.kv_cache_manager
+    # A few tokens into its decode, so its prompt's stores are done (a store
+    # waits for the compute before it, and a load behind it on the copy
+    # stream would wait too), and a decode step of it in flight.
+    while e.requests[long].num_output_tokens < 3 or not any(
+        long in so.num_scheduled_tokens for so, _, _ in e.in_flight
+    ):
+        e.step()
+    (held,) = manager.get_block_ids(long)
+    e.abort(long)
+    e.add_request(PREFIX + [7, 8], max_tokens=3)
+    e.run()
+    loaded = {
+        d for x in e.copy_backend.launched if not x["is_store"] for _, d in x["pairs"]
+    }
+    assert set(held) & loaded, "the load reused the aborted request's blocks"
+    assert load_races(e) == []
+    assert e.runner.violations == []
