@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok, manager_violations, pool_violations
-from harness.offload_checks import cpu_block_of, new_request
+from harness.offload_checks import cpu_block_of, lost_or_wrong_cpu_blocks, new_request
 
 # 52 blocks of 16 tokens, a 48-token window and 256-token chunks: a
 # 445-token request takes 28 full attention blocks plus up to 19 window
@@ -295,3 +295,32 @@ def test_corrupted_free_queue_stops_the_engine(monkeypatch, store_delay):
         # corrupt the queue there even without the check; the unit tests of
         # test_no_free_blocks_error.py still cover the error.
         pytest.skip(f"nothing corrupted the queue on this release: {outcomes}")
+
+
+def test_a_group_of_larger_blocks_stores_its_blocks():
+    """End to end, on a layout whose full-attention blocks hold two of the
+    window group's: a prompt prefilled over several steps is stored block
+    by block by the eager scan, in both groups, each checked against the
+    request's hashes at its own size, and all of it is loaded back."""
+    bs = 16
+    cfg = HarnessConfig(
+        block_size=bs,
+        hybrid=True,
+        full_block_multiple=2,
+        num_gpu_blocks=64,
+        num_cpu_blocks=64,
+        max_num_batched_tokens=2 * bs,
+    )
+    e = Engine(cfg)
+    prompt = list(range(100, 100 + 8 * bs))
+    a = e.add_request(prompt, max_tokens=4)
+    e.run()
+    assert lost_or_wrong_cpu_blocks(e, [a]) == []
+
+    assert e.block_pool.reset_prefix_cache()
+    b = e.add_request(prompt + list(range(900, 900 + bs)), max_tokens=1)
+    e.run()
+    loaded = sum(len(x["pairs"]) for x in e.copy_backend.launched if not x["is_store"])
+    assert loaded > 0, "the CPU holds the prompt in both groups"
+    assert e.runner.violations == []
+    assert e.stats.finished >= {a, b}
