@@ -5,9 +5,12 @@ SimpleCPUOffloadConnector's scheduler side, and its worker side
 (SimpleCPUOffloadWorker). Fake, because they need a GPU:
 
 - the model runner (FakeModelRunner): keeps block tables from the
-  scheduler's output as a real runner does, "computes" KV by writing a
-  content tag into every block it fills, checks the tag of every block it
-  attends to, and samples one token per finished prefill/decode step;
+  scheduler's output as a real runner does, zeroes the new blocks the
+  scheduler names (a Mamba hybrid's) and applies its copies, "computes" KV
+  by writing a content tag into every block it fills (a Mamba group: the
+  state there), checks the tag of every block it attends to (a Mamba
+  group: the state it starts from), and samples one token per finished
+  prefill/decode step;
 - the CUDA pieces (harness.fake_cuda): streams, events and the driver's
   batch memcpy, ordered as a GPU orders them, with a checker that reports
   any two accesses of a block that nothing orders. The forward is one
@@ -68,6 +71,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -106,6 +110,21 @@ class HarnessConfig:
     # then hashes at the smallest size and checks hits at the largest.
     full_block_multiple: int = 1
     swa_block_multiple: int = 1
+    # A Mamba group after the attention groups, in this prefix-caching mode
+    # of vLLM's (mamba_cache_mode): "align" (the state is kept at the end of
+    # each step, in the block of its last token, and prefill chunks end on
+    # block boundaries, where it is cached) or "all" (up to 0.31: the state
+    # at every block boundary is kept). Block sizes as above must then be
+    # one. A model with Mamba layers has the worker zero the new blocks the
+    # scheduler names (new_block_ids_to_zero), which the fake runner does
+    # on the compute stream before the step's loads are launched, as
+    # vLLM's does.
+    mamba: str | None = None
+    # Hash (prefix-match) every this many tokens, finer than the blocks
+    # (vLLM's prefix_match_unit, which releases from 0.28.0 take): with a
+    # Mamba "align" group, from 0.33.0 a prefix hit may then end inside a
+    # block, which the allocation copies on write. None: the block size.
+    prefix_match_unit: int | None = None
     offload: bool = True
     lazy: bool = False
     max_num_batched_tokens: int = 128
@@ -139,12 +158,18 @@ class HarnessConfig:
     # Steps after launch at which a transfer completes (0: in the same step).
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
 
+    def group_kinds(self) -> list[str]:
+        """Each KV cache group's kind, in group order: full, swa, mamba."""
+        return ["full"] + ["swa"] * self.hybrid + ["mamba"] * bool(self.mamba)
+
     def group_block_sizes(self) -> list[int]:
         """Each KV cache group's block size, in group order."""
-        multiples = [self.full_block_multiple]
-        if self.hybrid:
-            multiples.append(self.swa_block_multiple)
-        return [self.block_size * m for m in multiples]
+        multiples = {
+            "full": self.full_block_multiple,
+            "swa": self.swa_block_multiple,
+            "mamba": 1,
+        }
+        return [self.block_size * multiples[k] for k in self.group_kinds()]
 
 
 def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
@@ -188,6 +213,14 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
             block_size=cfg.block_size,
             enable_prefix_caching=cfg.prefix_caching,
             gpu_memory_utilization=0.9,
+            # The scheduler reads the mode (align: prefill chunks end on
+            # block boundaries, where the state is cached).
+            **({"mamba_cache_mode": cfg.mamba} if cfg.mamba else {}),
+            **(
+                {"prefix_match_unit": cfg.prefix_match_unit}
+                if cfg.prefix_match_unit
+                else {}
+            ),
         ),
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig("cpu"),
@@ -224,7 +257,8 @@ def shared_tensor(size: int, layers: list[str], page: int) -> KVCacheTensor:
 
 
 def make_kv_cache_config(cfg: HarnessConfig) -> KVCacheConfig:
-    """One full-attention group, plus a sliding-window group when hybrid.
+    """One full-attention group, plus a sliding-window group when hybrid
+    and a Mamba group when asked.
 
     As in vLLM's hybrid layout, the groups share one KV cache tensor and
     one block pool: each block id belongs to one group at a time, and every
@@ -234,31 +268,12 @@ def make_kv_cache_config(cfg: HarnessConfig) -> KVCacheConfig:
     sizes = cfg.group_block_sizes()
     if min(sizes) != cfg.block_size:
         raise ValueError(f"group block sizes {sizes}: the smallest must be block_size")
+    if cfg.mamba and max(sizes) != cfg.block_size:
+        raise ValueError("a Mamba layout has one block size")
     page = PAGE_BYTES * cfg.block_size
-    kinds = [("full.0", FullAttentionSpec, {})]
-    if cfg.hybrid:
-        kinds.append(
-            ("swa.0", SlidingWindowSpec, {"sliding_window": cfg.sliding_window})
-        )
     groups = []
-    for (layer, spec, extra), size in zip(kinds, sizes, strict=True):
-        multiple = size // cfg.block_size
-        if HEAD_SIZE % multiple:
-            raise ValueError(f"block size multiple {multiple} must divide {HEAD_SIZE}")
-        # Heads as much smaller as the block is larger: the page stays `page`.
-        head_size = HEAD_SIZE // multiple
-        groups.append(
-            KVCacheGroupSpec(
-                [layer],
-                spec(
-                    block_size=size,
-                    num_kv_heads=NUM_KV_HEADS,
-                    head_size=head_size,
-                    dtype=DTYPE,
-                    **extra,
-                ),
-            )
-        )
+    for kind, size in zip(cfg.group_kinds(), sizes, strict=True):
+        groups.append(KVCacheGroupSpec([f"{kind}.0"], group_spec(cfg, kind, size)))
         assert groups[-1].kv_cache_spec.page_size_bytes == page
     layers = [name for g in groups for name in g.layer_names]
     return KVCacheConfig(
@@ -266,6 +281,30 @@ def make_kv_cache_config(cfg: HarnessConfig) -> KVCacheConfig:
         kv_cache_tensors=[shared_tensor(page * cfg.num_gpu_blocks, layers, page)],
         kv_cache_groups=groups,
     )
+
+
+def group_spec(cfg: HarnessConfig, kind: str, size: int) -> Any:
+    """The spec of a group of `kind` whose blocks hold `size` tokens, its
+    page PAGE_BYTES * cfg.block_size bytes."""
+    if kind == "mamba":
+        # One state tensor filling the page.
+        page = PAGE_BYTES * cfg.block_size
+        return MambaSpec(
+            block_size=size,
+            shapes=((page // DTYPE.itemsize,),),
+            dtypes=(DTYPE,),
+            mamba_cache_mode=cfg.mamba,
+        )
+    multiple = size // cfg.block_size
+    if HEAD_SIZE % multiple:
+        raise ValueError(f"block size multiple {multiple} must divide {HEAD_SIZE}")
+    # Heads as much smaller as the block is larger: the page stays one size.
+    attention = {"num_kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE // multiple}
+    if kind == "swa":
+        return SlidingWindowSpec(
+            block_size=size, dtype=DTYPE, sliding_window=cfg.sliding_window, **attention
+        )
+    return FullAttentionSpec(block_size=size, dtype=DTYPE, **attention)
 
 
 def scheduler_block_sizes(
@@ -342,6 +381,10 @@ class ContentOracle:
             del self._chains[key]
 
 
+# What a block holds once the worker zeroed it.
+ZEROED = ("zeroed",)
+
+
 @dataclass
 class FakeKV:
     """The fake GPU and CPU KV caches: block id -> content tag."""
@@ -384,6 +427,7 @@ class FakeModelRunner:
         self.cfg, self.kv, self.requests = cfg, kv, requests
         self.forward = forward
         self.block_sizes = cfg.group_block_sizes()
+        self.kinds = cfg.group_kinds()
         self.oracle = ContentOracle(self.block_sizes)
         self.tables: dict[str, list[list[int]]] = {}
         self.violations: list[Violation] = []
@@ -412,13 +456,32 @@ class FakeModelRunner:
         return computed
 
     def _needed(self, group: int, computed: int) -> range:
-        """Block indices a step starting at `computed` attends to."""
+        """Block indices a step starting at `computed` attends to (a Mamba
+        group: the block holding the state after `computed` tokens)."""
         bs = self.block_sizes[group]
-        if group == 1:  # sliding window
+        kind = self.kinds[group]
+        if kind == "mamba":
+            if computed == 0:
+                return range(0)
+            return range((computed - 1) // bs, (computed - 1) // bs + 1)
+        first = 0
+        if kind == "swa":
             first = max(0, computed - (self.cfg.sliding_window - 1)) // bs
-        else:
-            first = 0
         return range(first, (computed + bs - 1) // bs)
+
+    def prepare(self, so: SchedulerOutput, step: int) -> None:
+        """What the runner does on the compute stream before the step's
+        connector calls (its _update_states): zero the new blocks the
+        scheduler names, then make the copies it asks for (copy on write of
+        a block a prefix hit ends inside, from 0.33)."""
+        zero = getattr(so, "new_block_ids_to_zero", None) or []
+        if zero:
+            self.forward(f"the zeroing of step {step}", [], dict.fromkeys(zero, ZEROED))
+        for copy in getattr(so, "kv_cache_block_copies", None) or []:
+            src, dst = copy.src_block_id, copy.dst_block_id
+            self.forward(
+                f"a block copy of step {step}", [src], {dst: self.kv.gpu.get(src)}
+            )
 
     def execute(self, so: SchedulerOutput, step: int) -> ModelRunnerOutput:
         computed = self._update_tables(so)
@@ -443,6 +506,10 @@ class FakeModelRunner:
                         self.violations.append(
                             Violation(step, req_id, g, i, bid, want, got)
                         )
+                # The blocks the tokens fall in. In a Mamba group block i
+                # gets the state after its last token (the tag of the tokens
+                # up to there): align mode's table has null blocks but the
+                # one of the step's last token, "all" mode's none.
                 for i in range(c // bs, (c + n - 1) // bs + 1):
                     bid = table[g][i]
                     if bid != NULL_BLOCK_ID:
@@ -490,10 +557,12 @@ def worker_step(
     `host_sync`: the host reads the step's sampled tokens before it returns
     (synchronous scheduling); otherwise the caller syncs later."""
     if worker is None:
+        runner.prepare(so, step)
         out = runner.execute(so, step)
     else:
         with cuda.active():
             worker.handle_preemptions(so.kv_connector_metadata)
+            runner.prepare(so, step)
             worker.bind_connector_metadata(so.kv_connector_metadata)
             # Up to 0.29 the runner starts loads before the forward; from
             # 0.30 only a step with sync loads (which feed its forward) does,

@@ -49,9 +49,12 @@ the order the worker queues them, which is the order its queue gives them
 on a GPU); memory the host writes directly (the KV caches are only written
 by kernels and copies); the forward's layers (one operation: a copy that
 waits for any part of it waits for all of it, which is what the worker's
-events give); and a kernel's reads or writes of blocks outside what the
-scheduler gave it (e.g. zeroing of new blocks, which the harness's layouts
-never ask for).
+events give); a kernel's reads or writes of blocks outside what the
+scheduler gave it (the zeroing of new blocks a Mamba hybrid asks for, and a
+copy on write, are the fake runner's compute operations ahead of the
+forward, as vLLM's runner launches them); and what two unordered writes of
+a GPU block leave: content keeps one of them (a zeroing and a load leave
+the loaded KV), so such a race shows in the checker only.
 """
 
 from __future__ import annotations

@@ -65,8 +65,10 @@ def lost_or_wrong_cpu_blocks(e: Engine, req_ids: list[str]) -> list[str]:
     sizes, a prefix hit ends on a multiple of every group's block size, so
     a block past the request's last such multiple could never serve one
     (from 0.22.0 the hybrid coordinator does not even cache it): it need
-    not reach the CPU either. Needs a CPU pool large enough that nothing
-    was evicted from it."""
+    not reach the CPU either. A Mamba group's blocks need not reach it
+    (align mode keeps only some states, at block boundaries), but any the
+    CPU holds must hold the state after its block's last token. Needs a CPU
+    pool large enough that nothing was evicted from it."""
     sizes = e.cfg.group_block_sizes()
     oracle = ContentOracle(sizes)
     hit_unit = math.lcm(*sizes)
@@ -75,9 +77,10 @@ def lost_or_wrong_cpu_blocks(e: Engine, req_ids: list[str]) -> list[str]:
         req = e.requests[req_id]
         last_window = max(0, req.num_computed_tokens - e.cfg.sliding_window + 1)
         hittable = req.num_computed_tokens // hit_unit * hit_unit
-        for group, bs in enumerate(sizes):
-            # Group 0 is full attention, group 1 the sliding window.
-            needed = range(last_window // bs if group == 1 else 0, hittable // bs)
+        kinds = e.cfg.group_kinds()
+        for group, (kind, bs) in enumerate(zip(kinds, sizes, strict=True)):
+            first = last_window // bs if kind == "swa" else 0
+            needed = range(0) if kind == "mamba" else range(first, hittable // bs)
             for i in range(req.num_computed_tokens // bs):
                 want = oracle.tag(req, group, i, bs)
                 got = cpu_tag(e, req, i, group)
