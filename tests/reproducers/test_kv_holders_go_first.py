@@ -121,3 +121,56 @@ def test_holders_the_scan_does_not_reach_are_kept():
         pytest.fail(f"the scheduler is stuck: {exc}")
     assert {first, second, head} <= e.stats.finished
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_holders_the_scan_does_not_reach_keep_their_arrival_order():
+    # FCFS: session S heads the skipped queue and is given an input that
+    # does not fit beside three finished loads L1, L2, L3 (arrived in that
+    # order). The step's token budget covers one holder's rest of prompt,
+    # so each pass schedules one holder and puts the others back: they must
+    # keep their order, or the load that arrived last overtakes the one
+    # before it (FCFS served out of arrival order). The budget, not the
+    # request limit, stops the pass: from 0.30.0 an idle session takes a
+    # request slot.
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=64,
+            num_cpu_blocks=256,
+            max_num_batched_tokens=2 * BS,
+        )
+    )
+    prefixes = [[10_000 * (i + 1) + t for t in range(4 * BS)] for i in range(3)]
+    for prefix in prefixes:
+        e.add_request(prefix, max_tokens=1)
+    e.run()
+    # Only the CPU holds the prefixes now: the loads below take them.
+    assert e.block_pool.reset_prefix_cache()
+    session = e.add_request([100 + t for t in range(120)], 1, "S", resumable=True)
+    e.run(max_steps=20)
+    loads = [
+        e.add_request(p + [i + 1] * (2 * BS), max_tokens=1)
+        for i, p in enumerate(prefixes)
+    ]
+    e.step()
+    for load in loads:
+        assert e.scheduler.kv_cache_manager.get_block_ids(load)[0], (
+            f"{load} should be admitted as an async load, holding its prefix"
+        )
+    # 63 usable: S holds 8 and the loads 12. S's input makes it 58 blocks,
+    # which fit only once two of the loads have run and freed theirs.
+    e.add_request([500 + t for t in range(808)], 1, session, resumable=True)
+    first_scheduled: dict[str, int] = {}
+    for step in range(100):
+        if not e.busy():
+            break
+        for req_id in e.step().num_scheduled_tokens:
+            first_scheduled.setdefault(req_id, step)
+    assert set(loads) <= e.stats.finished
+    order = sorted(loads, key=lambda r: first_scheduled[r])
+    assert order == loads, f"loads scheduled in the order {order}, arrived {loads}"
+    assert e.requests[session].num_computed_tokens == 928, "S's input did not run"
+    e.add_request([0], 1, session)  # S's end
+    e.run(max_steps=20)
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
