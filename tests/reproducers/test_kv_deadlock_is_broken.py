@@ -17,6 +17,7 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
     MultiConnector,
 )
+from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
@@ -330,3 +331,90 @@ def test_a_failed_load_gives_back_its_blocks_behind_a_holder(preempted_before):
             break
     assert computed(e, h) > 40 * BS, "the scheduler is stuck behind a failed load"
     assert h not in preempted
+
+
+def test_no_session_is_freed_for_blocks_a_step_in_flight_gives_back():
+    """Under async scheduling with a connector, a request that stops with
+    its next step in flight gives its blocks back only once that step is
+    processed. When it was the only one running and two sessions wait for
+    blocks, nothing runs for that one step, but blocks are coming back:
+    the deadlock break must wait for them, not free a session (which
+    would then recompute everything it had computed)."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=25,
+            num_cpu_blocks=128,
+            max_num_batched_tokens=256,
+            async_scheduling=True,
+        )
+    )
+    a = e.add_request([100 + t for t in range(120)], 1, "A", resumable=True)
+    b = e.add_request([300 + t for t in range(120)], 1, "B", resumable=True)
+    while len(e.stats.finished) < 2 and e.scheduler.running or e.in_flight:
+        e.step()
+    # C runs and holds 5 blocks; 3 are free.
+    c = e.add_request([900 + t for t in range(70)], 40, "C", stop_at=73)
+    for _ in range(3):
+        e.step()
+    assert e.scheduler.running, "C runs"
+    # Each session's next input needs 4 blocks more than it holds.
+    e.add_request([500 + t for t in range(60)], 2, a, resumable=True)
+    e.add_request([700 + t for t in range(60)], 2, b, resumable=True)
+    preempted: set[str] = set()
+    for _ in range(12):
+        so = e.step()
+        if so is not None:
+            preempted |= set(so.preempted_req_ids or ())
+    assert c in e.stats.finished
+    assert computed(e, a) > 120, "A's input ran once C's blocks came back"
+    assert preempted == set(), f"freed for blocks that were coming back: {preempted}"
+
+
+def test_nothing_is_freed_while_a_load_in_flight_can_give_blocks_back():
+    # Sessions A and C idle on 8 blocks each; L loads a 10-block prefix
+    # from the CPU, slowly (5 steps), holding those blocks. A is then given
+    # an input 14 blocks longer, with 13 free; C a short one, queued behind
+    # A. Nothing runs, but L will land, run and give its blocks back, and A
+    # then fits: while L loads the scheduler must wait for it, not free C's
+    # KV (C would compute its whole history again).
+    prefix = [7000 + t for t in range(10 * BS)]
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=40,
+            num_cpu_blocks=256,
+            transfer_delay=lambda is_store: 0 if is_store else 5,
+        )
+    )
+    e.add_request(prefix, max_tokens=1)
+    e.run()
+    # Only the CPU holds the prefix now: L below loads it.
+    assert e.block_pool.reset_prefix_cache()
+    a = e.add_request([100 + t for t in range(120)], 1, "A", resumable=True)
+    c = e.add_request([300 + t for t in range(120)], 1, "C", resumable=True)
+    for _ in range(4):
+        e.step()
+    load = e.add_request(prefix + [1] * (2 * BS), max_tokens=1)
+    e.step()
+    assert e.offload._reqs_to_load, "L should be loading its prefix"
+    e.add_request([500 + t for t in range(14 * BS)], 1, a, resumable=True)
+    e.add_request([700 + t for t in range(BS)], 1, c, resumable=True)
+    loading = e.scheduler.requests[load]
+    for _ in range(20):
+        in_flight = (
+            loading.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and load not in e.scheduler.finished_recving_kv_req_ids
+        )
+        freed = e.step().preempted_req_ids
+        assert not (in_flight and freed), f"{freed} freed while L was loading"
+        if computed(e, a) > 120 and computed(e, c) > 120:
+            break
+    else:
+        pytest.fail("an input never ran")
+    assert load in e.stats.finished, "L should have landed and run"
+    for session in (a, c):
+        e.add_request([0], 1, session)  # the session's end
+    e.run(max_steps=50)
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
