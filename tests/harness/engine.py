@@ -114,12 +114,18 @@ class HarnessConfig:
     # of vLLM's (mamba_cache_mode): "align" (the state is kept at the end of
     # each step, in the block of its last token, and prefill chunks end on
     # block boundaries, where it is cached) or "all" (up to 0.31: the state
-    # at every block boundary is kept). Block sizes as above must then be
-    # one. A model with Mamba layers has the worker zero the new blocks the
-    # scheduler names (new_block_ids_to_zero), which the fake runner does
-    # on the compute stream before the step's loads are launched, as
-    # vLLM's does.
+    # at every block boundary is kept). A model with Mamba layers has the
+    # worker zero the new blocks the scheduler names (new_block_ids_to_zero),
+    # which the fake runner does on the compute stream before the step's
+    # loads are launched, as vLLM's does.
     mamba: str | None = None
+    # The Mamba group's block size as a multiple of block_size (vLLM's
+    # mamba_block_size may differ from the attention block size), and
+    # whether it is the first group (a model whose first layer is a Mamba
+    # layer): groups allocate in order, so an allocation refused in the
+    # attention group comes after the Mamba group's.
+    mamba_block_multiple: int = 1
+    mamba_first: bool = False
     # Hash (prefix-match) every this many tokens, finer than the blocks
     # (vLLM's prefix_match_unit, which releases from 0.28.0 take): with a
     # Mamba "align" group, from 0.33.0 a prefix hit may then end inside a
@@ -159,15 +165,19 @@ class HarnessConfig:
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
 
     def group_kinds(self) -> list[str]:
-        """Each KV cache group's kind, in group order: full, swa, mamba."""
-        return ["full"] + ["swa"] * self.hybrid + ["mamba"] * bool(self.mamba)
+        """Each KV cache group's kind, in group order: full, then swa, then
+        mamba (or mamba first)."""
+        kinds = ["full"] + ["swa"] * self.hybrid
+        if self.mamba:
+            kinds.insert(0 if self.mamba_first else len(kinds), "mamba")
+        return kinds
 
     def group_block_sizes(self) -> list[int]:
         """Each KV cache group's block size, in group order."""
         multiples = {
             "full": self.full_block_multiple,
             "swa": self.swa_block_multiple,
-            "mamba": 1,
+            "mamba": self.mamba_block_multiple,
         }
         return [self.block_size * multiples[k] for k in self.group_kinds()]
 
@@ -268,8 +278,6 @@ def make_kv_cache_config(cfg: HarnessConfig) -> KVCacheConfig:
     sizes = cfg.group_block_sizes()
     if min(sizes) != cfg.block_size:
         raise ValueError(f"group block sizes {sizes}: the smallest must be block_size")
-    if cfg.mamba and max(sizes) != cfg.block_size:
-        raise ValueError("a Mamba layout has one block size")
     page = PAGE_BYTES * cfg.block_size
     groups = []
     for kind, size in zip(cfg.group_kinds(), sizes, strict=True):
@@ -320,6 +328,23 @@ def scheduler_block_sizes(
         size = vllm_config.cache_config.block_size
         return size, size
     return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+
+
+def unsupported_layout(cfg: HarnessConfig) -> str | None:
+    """Why the running release cannot run this layout, or None: its
+    hybrid coordinator needs every group's block size to be a multiple of
+    the hash block size, and up to 0.27 a Mamba group whose block size is
+    not the cache's makes the release hash at the scheduler block size."""
+    sizes = cfg.group_block_sizes()
+    _, hash_size = scheduler_block_sizes(
+        make_vllm_config(cfg), make_kv_cache_config(cfg)
+    )
+    if any(size % hash_size for size in sizes):
+        return (
+            f"this release hashes every {hash_size} tokens, and not every "
+            f"group's block size ({sizes}) is a multiple of that"
+        )
+    return None
 
 
 def sampled_token(req_id: str, position: int) -> int:

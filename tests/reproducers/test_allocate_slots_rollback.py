@@ -22,11 +22,17 @@ from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    make_block_hash_with_group_id,
+)
 from vllm.v1.request import Request
 
+from harness.engine import Engine, HarnessConfig, unsupported_layout
 from harness.invariants import assert_manager_ok, manager_snapshot
 from harness.kv_manager import computed_blocks, make_layout_manager
+from harness.offload_checks import lost_or_wrong_cpu_blocks
 from harness.peer import PeerEngine
 
 BS = 16
@@ -222,6 +228,84 @@ def test_refusal_undoes_the_copy_on_write_of_a_running_producer(layout):
     assert any("a" in getattr(g, "_partial_hit_reqs", {}) for g in groups)
     # Its last prompt token fits its blocks: the copy is the only new block.
     refuse_and_compare(manager, a, 1, after_calls=0)
+
+
+def test_a_running_producers_refused_copy_on_write_in_the_engine():
+    """The running producer's copy on write, refused in the scheduler with
+    the CPU offload connector: a Mamba align group first, its blocks two
+    hash blocks, then full attention at the hash block size. A stops its
+    prefill one token short of its prompt, on a hash boundary inside a
+    Mamba block, and keeps its state there as a cache entry. Its next step
+    moves that entry to a new block, queues the copy of the state into it
+    and hands the block to the connector to offload (a boundary state);
+    then the full-attention group is refused. The scheduler preempts B and
+    retries A. The retry must be the only copy on write left: one cache
+    entry, on a block that holds the state, and one boundary handed to the
+    connector, not a second naming the block the refused call gave back."""
+    H = 16
+    cfg = HarnessConfig(
+        block_size=H,
+        mamba="align",
+        mamba_block_multiple=2,
+        mamba_first=True,
+        num_gpu_blocks=40,
+        num_cpu_blocks=40,
+        max_num_batched_tokens=256,
+    )
+    if (reason := unsupported_layout(cfg)) is not None:
+        pytest.skip(reason)
+    e = Engine(cfg)
+    manager = e.scheduler.kv_cache_manager
+    if not getattr(manager.coordinator, "enable_partial_hash_hits", False):
+        pytest.skip("this release has no prefix hits that end inside a block")
+    if not hasattr(manager, "take_boundary_state_offloads"):
+        pytest.skip("this release hands no boundary states to a connector")
+    # What the scheduler hands the connector each step: the real method's
+    # result, kept.
+    offered: list[dict[str, list[tuple[int, int, int]]]] = []
+    take = manager.take_boundary_state_offloads
+
+    def take_and_keep() -> dict[str, list[tuple[int, int, int]]]:
+        offered.append(take())
+        return offered[-1]
+
+    manager.take_boundary_state_offloads = take_and_keep
+    prompt = list(range(100, 100 + 3 * H + 1))
+    a = e.add_request(prompt, max_tokens=3)
+    b = e.add_request(list(range(2000, 2000 + 4 * H)), max_tokens=8)
+    e.step()
+    req = e.requests[a]
+    assert req.num_computed_tokens == 3 * H, "A stops on its last hash boundary"
+
+    # A's step: the Mamba group's copy on write succeeds, the full-attention
+    # group's block (A's fourth) is refused.
+    peer = PeerEngine(e.block_pool)
+    peer.arm(after_calls=1)
+    so = e.step()
+    peer.release()
+    assert peer.strikes, "the full-attention group should have been refused"
+    assert so.preempted_req_ids == {b} and set(so.num_scheduled_tokens) == {a}
+    (copy,) = so.kv_cache_block_copies
+    # The cache entry of A's state at the boundary is on the copy, which
+    # holds that state (the forward has since moved A's own block on).
+    key = make_block_hash_with_group_id(req.block_hashes[2], 0)
+    entry = e.block_pool.cached_block_hash_to_block.get_one_block(key)
+    assert entry is not None and entry.block_id == copy.dst_block_id
+    state = e.runner.oracle.tag(req, 0, 1, H)
+    assert e.kv.gpu[copy.dst_block_id] == state
+    # One boundary handed to the connector, the retry's.
+    assert offered[-1] == {a: [(0, copy.dst_block_id, 3 * H)]}
+    e.run()
+
+    # Where the connector counts them: no boundary offered twice (skipped as
+    # in flight) or on a block without its entry (dropped as unhashed).
+    stats_of = getattr(e.scheduler.connector, "get_boundary_store_stats", None)
+    if stats_of is not None:
+        stats = stats_of()
+        assert stats.skipped_in_flight == stats.dropped_not_hashed == 0, stats
+    assert e.runner.violations == [] and e.cuda.races == []
+    assert lost_or_wrong_cpu_blocks(e, [a, b]) == []
+    assert_manager_ok(manager, all_done=True)
 
 
 class Records(logging.Handler):
