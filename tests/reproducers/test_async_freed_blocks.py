@@ -189,3 +189,46 @@ def test_a_load_never_overwrites_blocks_of_a_request_aborted_in_flight(overlap):
     assert set(held) & loaded, "the load reused the aborted request's blocks"
     assert load_races(e) == []
     assert e.runner.violations == []
+
+
+def test_blocks_freed_out_of_step_order_wait_for_their_own_step():
+    """With three pipeline stages, three steps are in flight. Two decoding
+    requests aborted one after the other can be freed out of step order:
+    the first one's last step is the later one. Each request's blocks must
+    wait for its own step: giving back the first one's when the second
+    one's earlier step is processed lets a load overwrite blocks a forward
+    still in flight writes."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=16,
+            num_cpu_blocks=64,
+            pipeline_parallel_size=3,
+        )
+    )
+    e.add_request(PREFIX, max_tokens=2)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    a = e.add_request(list(range(3000, 3000 + 5 * BS + 4)), max_tokens=60)
+    b = e.add_request(list(range(4000, 4000 + 5 * BS + 4)), max_tokens=60)
+
+    def last_step_in_flight(req_id: str) -> int:
+        steps = [
+            i
+            for i, (so, _, _) in enumerate(e.in_flight)
+            if req_id in so.num_scheduled_tokens
+        ]
+        return steps[-1] if steps else -1
+
+    # Both decoding (their prompts stored), B's step in flight after A's.
+    while not (
+        min(e.requests[a].num_output_tokens, e.requests[b].num_output_tokens) >= 3
+        and 0 <= last_step_in_flight(a) < last_step_in_flight(b)
+    ):
+        e.step()
+    e.abort(b)
+    e.abort(a)
+    e.add_request(PREFIX + [7, 8], max_tokens=3)
+    e.run()
+    assert load_races(e) == []
+    assert e.runner.violations == []
