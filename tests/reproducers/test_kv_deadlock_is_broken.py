@@ -418,3 +418,70 @@ def test_nothing_is_freed_while_a_load_in_flight_can_give_blocks_back():
     e.run(max_steps=50)
     assert e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_a_preempted_session_reloaded_from_the_cpu_does_not_deadlock():
+    # S1, a session mid-prompt, is preempted by R and later reloads its
+    # prefix from the CPU (a slow load), holding the 10 blocks it loads
+    # into; landed, it waits PREEMPTED. Meanwhile session C's input takes
+    # every free block and A is given an input: when S1 lands, neither A
+    # nor S1 can get a block and nothing runs. One of them must give its
+    # blocks back (up to 0.30.0 S1, the newest holder, which saw no new
+    # input and so resumes with the prompt the worker knows; from 0.31.0,
+    # where S1's finished load is not promoted behind A, A itself). Kept,
+    # A and S1 wait for each other forever.
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=56,
+            num_cpu_blocks=256,
+            # Admission checks each prefill chunk only, so that S1 and R
+            # prefill side by side until the pool runs out.
+            reserve_full_isl=False,
+            max_num_batched_tokens=64,
+            long_prefill_token_threshold=2 * BS,
+            transfer_delay=lambda is_store: 0 if is_store else 12,
+        )
+    )
+    a = e.add_request([100 + t for t in range(120)], 1, "A", resumable=True)
+    b = e.add_request([300 + t for t in range(200)], 1, "B", resumable=True)
+    c = e.add_request([600 + t for t in range(120)], 1, "C", resumable=True)
+    for _ in range(12):
+        e.step()
+    e.add_request([5000 + t for t in range(320)], 1, "R")
+    s1 = e.add_request([6000 + t for t in range(320)], 1, "S1", resumable=True)
+    session = e.scheduler.requests[s1]
+    for _ in range(30):
+        e.step()
+        if session.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+    else:
+        pytest.fail("S1 should be preempted and then reload its prefix")
+    assert session.num_preemptions == 1
+    # C's input fills every free block (its 8 held and the free ones).
+    free = e.block_pool.get_num_free_blocks()
+    e.add_request([900 + t for t in range(free * BS + 8)], 1, c, resumable=True)
+    for _ in range(30):
+        e.step()
+        if e.scheduler.requests[c].status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            break
+    assert session.status == RequestStatus.WAITING_FOR_REMOTE_KVS, "S1 landed early"
+    e.add_request([1900 + t for t in range(40)], 1, a, resumable=True)
+    for _ in range(20):
+        if e.step().num_scheduled_tokens:
+            break
+    else:
+        pytest.fail("the scheduler is stuck: A and S1 wait for each other")
+    for sid in (b, c):
+        e.add_request([0], 1, sid)  # the idle sessions end
+    for _ in range(60):
+        e.step()
+        if computed(e, a) == 160 and computed(e, s1) == 320:
+            break
+    else:
+        pytest.fail("A's input or S1's prompt did not run")
+    for sid in (a, s1):
+        e.add_request([0], 1, sid)
+    e.run(max_steps=50)
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
