@@ -21,39 +21,48 @@ import pytest
 from harness.engine import Engine, HarnessConfig
 
 BS = 16
-# One token short of a block: the turn's sampled token completes it.
-PROMPT = list(range(100, 100 + BS - 1))
-CHUNK = list(range(300, 300 + BS + 4))
+# Far above the tokens the fake runner samples, so the chunk's first token
+# never equals the discarded one.
+CHUNK = list(range(5000, 5000 + BS + 4))
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["no-offload", "offload"])
-def test_a_session_chunk_never_leaves_a_stale_block_hash(offload: bool):
+@pytest.mark.parametrize("layout", ["sync", "async", "hybrid"])
+def test_a_session_chunk_never_leaves_a_stale_block_hash(layout: str):
+    # Hybrid: full-attention blocks of two hash blocks beside a sliding
+    # window group; a prefix hit is then whole full-attention blocks.
+    multiple = 2 if layout == "hybrid" else 1
     e = Engine(
         HarnessConfig(
-            block_size=BS, num_gpu_blocks=32, num_cpu_blocks=64, offload=offload
+            block_size=BS,
+            num_gpu_blocks=32,
+            offload=False,
+            async_scheduling=layout == "async",
+            hybrid=layout == "hybrid",
+            full_block_multiple=multiple,
         )
     )
-    e.add_request(PROMPT, max_tokens=1, resumable=True, req_id="S")
+    # One token short of a block: the turn's sampled token completes it.
+    prompt = list(range(100, 100 + multiple * BS - 1))
+    e.add_request(prompt, max_tokens=1, resumable=True, req_id="S")
     session = e.scheduler.requests["S"]
     while session.num_output_tokens == 0:
         e.step()
     discarded = session.all_token_ids[-1]
-    assert session.num_tokens == BS, "the sampled token completes the block"
+    assert session.num_tokens % (multiple * BS) == 0, "the token completes a block"
 
     e.add_request(CHUNK, max_tokens=1, req_id="S", resumable=True)
     e.run()
-    assert session.all_token_ids[BS - 1] == CHUNK[0], "the token is replaced"
+    assert session.all_token_ids[len(prompt)] == CHUNK[0], "the token is replaced"
 
     # The turn as the model saw it, continued: it must not hit the block
     # the session computed with the chunk's first token.
-    e.add_request(PROMPT + [discarded] + list(range(700, 700 + BS)), max_tokens=1)
+    e.add_request(prompt + [discarded] + list(range(700, 700 + BS)), max_tokens=1)
     e.run()
     assert e.runner.violations == []
-    hasher = e.block_hasher
-    assert session.block_hashes == hasher_hashes(hasher, session)
+    assert session.block_hashes == fresh_hashes(e.block_hasher, session)
 
 
-def hasher_hashes(hasher, request) -> list:
+def fresh_hashes(hasher, request) -> list:
     """The hashes the request's tokens have now, computed afresh."""
     saved = request.block_hashes
     request.block_hashes = []
