@@ -171,20 +171,16 @@ def test_a_flush_with_no_store_in_flight_leaves_no_request_state():
 
 
 def test_a_flush_goes_on_past_a_block_another_flush_stores():
-    """Two requests that share a prefix block finish in the same step,
-    neither block stored yet: the first one's flush takes the shared block,
-    and the second one's must skip it and still store its own block after
-    it, or that block never reaches the CPU."""
+    """Two requests that share a prefix block finish in the same step, the
+    shared block not yet on the CPU: whichever flush or store takes the
+    shared block, each request's own block after it reaches the CPU too."""
     e = engine(blocks_per_step=4)
     a = e.add_request(PROMPT, max_tokens=1)
     # B hits A's first block, cached when A was allocated in this schedule.
     b = e.add_request(PROMPT[:BS] + list(range(500, 500 + BS)), max_tokens=1)
     e.step()
     assert e.stats.finished == {a, b}, "both finish in the step of their prompt"
-    shared = e.runner.tables[a][0][0]
-    assert e.runner.tables[b][0][0] == shared, "B hits A's first block"
-    assert shared in e.offload._finish_flushes[a].gpu_block_ids
-    assert e.runner.tables[b][0][1] in e.offload._finish_flushes[b].gpu_block_ids
+    assert e.runner.tables[b][0][0] == e.runner.tables[a][0][0], "B hits A's"
     e.run()
     assert lost_or_wrong_cpu_blocks(e, [a, b]) == []
     assert_all_released(e)
