@@ -144,6 +144,14 @@ EFFECTS = [
         "writes are dropped a step later",
     ),
     Effect(
+        "Streaming-input-drop-the-hashes",
+        AFTER_TRANSFERS | {"loads", "stores", "remote_waiting", "preempted", "ended"},
+        "session-chunks",
+        "a streaming session's next chunk drops the hashes of the blocks it "
+        "truncates: where the release hit those stale hashes, the prefix hits "
+        "differ, and what is computed, cached and moved after them",
+    ),
+    Effect(
         "admit-an-async-KV-load",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
         "loads",
@@ -159,6 +167,11 @@ def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int
         # requests waiting: the only steps where a deadlock can be broken.
         step = base[i]
         return not step["sched"] and not step["running"] and bool(step["waiting"])
+    if name == "session-chunks":
+        # A session's next chunk has been sent (the record index is at least
+        # the trace step: a reset's run to idle adds records).
+        first = trace.get("first_chunk_step")
+        return first is not None and i >= first
     if not trace["offload"]:
         return False
     if name == "overlapped-window":
@@ -295,6 +308,17 @@ def step_verdict(
     )
 
 
+def trace_facts(trace: Any) -> dict[str, Any]:
+    """The trace's configuration, and the step of its first session chunk
+    (the conditions read both)."""
+    chunks = [
+        step
+        for step, events in trace.events.items()
+        if any(event[0] == "chunk" for event in events)
+    ]
+    return {**trace.cfg, "first_chunk_step": min(chunks, default=None)}
+
+
 def series_effects(series: Series) -> list[Effect]:
     names = [p.name for p in series.patches()]
     return [e for e in EFFECTS if any(e.patch in n for n in names)]
@@ -366,7 +390,7 @@ def run_traces(
                     tmp.write_text(json.dumps(base))
                     tmp.replace(path)  # whole or not at all: two runs may race
                 trace = GENERATORS[family](seed)
-                verdict = compare(seed, trace.cfg, base, ser, effects, family)
+                verdict = compare(seed, trace_facts(trace), base, ser, effects, family)
                 verdict.newest_stalled = newest_stalled
                 verdicts.append(verdict)
                 kinds[(trace.connector, verdict.kind)] += 1

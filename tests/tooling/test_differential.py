@@ -136,3 +136,16 @@ def test_a_base_that_crashed_promises_no_progress():
     series = rec_done(step(), step(), completed=["r0"])
     assert differential.progress_lost(base, series) == ""
     assert differential.progress_lost(series, base) != ""
+
+
+def test_session_hashes_explain_a_divergence_only_after_a_chunk():
+    # 0013: a session's next chunk hits fewer stale prefix blocks, so it
+    # schedules more tokens; before any chunk was sent it changes nothing.
+    hashes = [e for e in differential.EFFECTS if "drop-the-hashes" in e.patch]
+    base = rec(step(), step(sched=[["r5", 14]]))
+    series = rec(step(), step(sched=[["r5", 30]]))
+    after = {**NO_CONNECTOR, "first_chunk_step": 1}
+    assert compare(0, after, base, series, hashes).kind == "explained"
+    later = {**NO_CONNECTOR, "first_chunk_step": 2}
+    assert compare(0, later, base, series, hashes).kind == "FAILED"
+    assert compare(0, NO_CONNECTOR, base, series, hashes).kind == "FAILED"
