@@ -186,6 +186,53 @@ def test_a_flush_goes_on_past_a_block_another_flush_stores():
     assert_all_released(e)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_flush_goes_on_past_the_null_blocks_of_a_window(async_scheduling: bool):
+    """A hybrid request whose whole prompt, longer than the window, is
+    computed in the step it finishes in has stored nothing. Before it hands
+    the block table to the connector, the scheduler frees the window
+    group's blocks the window has left (remove_skipped_blocks in
+    _connector_finished): the table the flush reads starts with null
+    blocks, which the flush must skip to store the window's last blocks
+    after them (the per-step scan never saw them). Stopping at the
+    first null block stores none of the window group, and a later prompt
+    extending this one finds no CPU hit: a hybrid hit needs the window's
+    blocks as well as every full-attention block."""
+    window_blocks = 4
+    cfg = HarnessConfig(
+        block_size=BS,
+        hybrid=True,
+        sliding_window=window_blocks * BS,
+        num_gpu_blocks=64,
+        num_cpu_blocks=64,
+        max_num_batched_tokens=8 * BS,
+        async_scheduling=async_scheduling,
+    )
+    e = Engine(cfg)
+    prompt = list(range(100, 100 + 2 * window_blocks * BS))
+    a = e.add_request(prompt, max_tokens=1)
+    chunks: list[int] = []
+    while a not in e.stats.finished:
+        so = e.step()
+        if so is not None and a in so.num_scheduled_tokens:
+            chunks.append(so.num_scheduled_tokens[a])
+    assert chunks == [len(prompt)], "finished in the step of its whole prompt"
+    e.run()
+    assert lost_or_wrong_cpu_blocks(e, [a]) == []
+
+    # Only the CPU has the prompt now: the extension hits all of it there
+    # and computes only its own tokens.
+    assert e.block_pool.reset_prefix_cache()
+    extension = list(range(900, 900 + BS + 1))
+    scheduled_before = e.stats.scheduled_tokens
+    b = e.add_request(prompt + extension, max_tokens=1)
+    e.run()
+    assert e.stats.scheduled_tokens - scheduled_before == len(extension)
+    assert e.stats.finished == {a, b}
+    assert e.runner.violations == []
+    assert_all_released(e)
+
+
 @pytest.mark.parametrize(
     ("full_multiple", "swa_multiple"),
     [(2, 1), (1, 2)],
