@@ -680,8 +680,9 @@ class Engine:
                 self.vllm_config, self.kv_cache_config, self.cuda
             )
         self._ids = itertools.count()
-        # Requests whose next CPU->GPU load fails (see fail_next_load).
-        self._failing_loads: set[str] = set()
+        # Requests whose next CPU->GPU load fails, each with how many of its
+        # first blocks stay valid (see fail_next_load).
+        self._failing_loads: dict[str, int] = {}
         self._guard_block_counts()
 
     def _guard_block_counts(self) -> None:
@@ -751,19 +752,27 @@ class Engine:
         self.scheduler.add_request(req)
         return req_id
 
-    def fail_next_load(self, req_id: str) -> None:
-        """The next load of `req_id` fails whole: when it completes, the
-        worker reports every block the request holds as invalid (as a
-        connector does through get_block_ids_with_load_errors) and the fake
-        GPU cache loses what the copy wrote there."""
-        self._failing_loads.add(req_id)
+    def fail_next_load(self, req_id: str, valid_blocks: int = 0) -> None:
+        """The next load of `req_id` fails: when it completes, the worker
+        reports the request's blocks from its `valid_blocks`-th on as
+        invalid (as a connector does through get_block_ids_with_load_errors)
+        and the fake GPU cache loses what the copy wrote there.
+
+        0 (the default): the load fails whole, every block the request holds
+        is invalid. More: it fails in part, its first `valid_blocks` blocks
+        (prefix hits and loaded blocks alike) keep what they hold, and the
+        scheduler keeps them: it truncates the request's computed tokens to
+        the first invalid block and prefills the rest. Counted in each KV
+        cache group's own blocks (the releases refuse block-level failures
+        with more than one group, or read them per group)."""
+        self._failing_loads[req_id] = valid_blocks
 
     def _failed_load_blocks(self, recving: set[str] | None) -> set[int]:
         invalid: set[int] = set()
-        for req_id in sorted(self._failing_loads & set(recving or ())):
-            self._failing_loads.discard(req_id)
+        for req_id in sorted(self._failing_loads.keys() & set(recving or ())):
+            valid_blocks = self._failing_loads.pop(req_id)
             for ids in self.scheduler.kv_cache_manager.get_block_ids(req_id):
-                for block_id in ids:
+                for block_id in ids[valid_blocks:]:
                     invalid.add(block_id)
                     self.kv.gpu.pop(block_id, None)
         return invalid
