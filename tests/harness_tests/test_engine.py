@@ -175,3 +175,32 @@ def test_zeroing_a_loads_destination_is_a_race(mode):
     assert {r.block for r in e.cuda.races} == zeroed & loaded
     assert all("zeroing" in r.first.op.name for r in e.cuda.races)
     assert e.runner.violations == []
+
+
+@pytest.mark.parametrize("valid_blocks", [0, 1], ids=["whole", "in-part"])
+def test_a_failed_load_on_a_mamba_hybrid_stops_the_engine(valid_blocks):
+    """A known limit, pinned (docs/ledger.md, hybrid-load-failure-crash):
+    the scheduler's handling of a KV load's invalid blocks unpacks one KV
+    cache group, so a block-level load failure on a layout of two groups or
+    more (a Mamba hybrid has at least two) raises ValueError; from 0.31.0 a
+    RuntimeError names the limit. Patch 0014 leaves out upstream's zeroing
+    of a failed load's unwritten blocks because of it: when this test
+    fails, a release recovers from such a failure, and 0014 (where it is
+    carried) needs that zeroing back."""
+    from typing import get_args
+
+    from vllm.config.cache import MambaCacheMode
+
+    # 'all' where the release has it; 'align' refuses a connector's load
+    # before 0.23.0.
+    e = mamba_engine("all" if "all" in get_args(MambaCacheMode) else "align")
+    prompt = list(range(100, 148))
+    e.add_request(prompt, max_tokens=3)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()  # only the CPU has the prompt
+    r = e.add_request(prompt + list(range(900, 917)), max_tokens=2)
+    e.fail_next_load(r, valid_blocks=valid_blocks)
+    with pytest.raises(
+        (ValueError, RuntimeError), match="unpack|multiple KV cache groups"
+    ):
+        e.run()
