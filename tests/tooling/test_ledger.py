@@ -270,7 +270,7 @@ def test_make_matrix_shows_the_ledger_from_the_data_and_the_series():
     }
     assert statuses["failed-loads-wait"] == {
         "0.20.2": "-",
-        "0.33.0": "fixed by the fork (patch R2)",
+        "0.33.0": "fixed by the fork (patch R3)",
     }
     assert statuses["prefix-stats-retry"]["0.20.2"] == "open"
     seconds = {"fetch": 1, "environment": 1, "reproducers": 1, "replay": 1}
