@@ -232,3 +232,62 @@ def test_blocks_freed_out_of_step_order_wait_for_their_own_step():
     e.run()
     assert load_races(e) == []
     assert e.runner.violations == []
+
+
+def test_a_reset_that_preempts_steps_in_flight_keeps_their_blocks_until_processed():
+    """reset_prefix_cache(reset_running_requests=True) preempts requests
+    whose step is in flight: their blocks come back only once that step is
+    processed, so a CPU load admitted right after the reset writes other
+    blocks, not the ones the forward in flight still reads and writes."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS, num_gpu_blocks=16, num_cpu_blocks=64, async_scheduling=True
+        )
+    )
+    s = e.scheduler
+    e.add_request(PREFIX, max_tokens=2)
+    e.run()
+    assert s.reset_prefix_cache()  # only the CPU has PREFIX
+    for i in range(1, 5):
+        e.add_request(list(range(1000 * i, 1000 * i + 2 * BS + 3)), max_tokens=30)
+    for _ in range(4):
+        e.step()
+    assert s.running and e.in_flight
+    assert s.reset_prefix_cache(reset_running_requests=True)
+    e.add_request(PREFIX + [7, 8], max_tokens=2)
+    e.run()
+    assert any(not x["is_store"] for x in e.copy_backend.launched), "a CPU hit"
+    assert load_races(e) == []
+    assert e.runner.violations == []
+    assert len(e.stats.finished) == 6
+
+
+def test_a_deferred_free_leaves_no_mamba_state_behind():
+    """A Mamba align group keeps per-request state beside the blocks; a
+    request whose free waits for its step in flight loses it too, as a
+    request freed at once does."""
+    from typing import get_args
+
+    from vllm.config.cache import MambaCacheMode
+
+    if "align" not in get_args(MambaCacheMode):
+        pytest.skip("this release has no mamba_cache_mode 'align'")
+    e = Engine(
+        HarnessConfig(
+            mamba="align",
+            num_gpu_blocks=32,
+            num_cpu_blocks=32,
+            max_num_batched_tokens=128,
+            async_scheduling=True,
+        )
+    )
+    assert e.scheduler.defer_block_free
+    for i in range(3):
+        prompt = list(range(1000 * (i + 1), 1000 * (i + 1) + 40))
+        e.add_request(prompt, max_tokens=20, stop_at=42)
+    e.run()
+    assert len(e.stats.finished) == 3
+    for mgr in e.scheduler.kv_cache_manager.coordinator.single_type_managers:
+        assert not getattr(mgr, "_allocated_block_reqs", ())
+        assert not getattr(mgr, "last_state_block_idx", {})
+        assert not mgr.req_to_blocks

@@ -112,3 +112,36 @@ def test_a_request_that_stops_keeps_every_block_its_step_in_flight_reads():
     assert freed == [], f"blocks the step in flight reads are free: {freed}"
     e.run()
     assert load_races(e) == []
+
+
+def test_window_blocks_are_still_dropped_once_their_step_is_processed():
+    """Counting the tokens in flight delays the drop by a step; it must not
+    stop it. A long decode under async scheduling with a connector holds
+    about the window's blocks in the window group, not one per block of
+    the sequence."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=64,
+            num_cpu_blocks=128,
+            hybrid=True,
+            sliding_window=32,
+            max_num_batched_tokens=128,
+            async_scheduling=True,
+        )
+    )
+    assert e.scheduler.defer_block_free
+    r = e.add_request(LONG, max_tokens=160)  # 22 blocks in all
+    held: list[int] = []
+    while e.busy():
+        e.step()
+        if r in e.scheduler.requests:
+            window_ids = e.scheduler.kv_cache_manager.get_block_ids(r)[1]
+            held.append(sum(b != 0 for b in window_ids))
+    assert r in e.stats.finished
+    # The prefill's second chunk is allocated while the first still runs:
+    # the whole 12-block prompt. Decoding, the window (32 tokens) and the
+    # token in flight fit in 4 blocks.
+    assert max(held) <= 12, f"the window group held {max(held)} blocks"
+    assert held[-1] <= 4, f"the window group held {held[-1]} blocks at the end"
+    assert e.runner.violations == []
