@@ -133,3 +133,17 @@ def attention_blocks(e: Engine, req_id: str) -> set[int]:
         if "Mamba" not in type(group.kv_cache_spec).__name__
         for b in group_ids
     }
+
+
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_only_the_attention_groups_new_blocks_are_zeroed(mode):
+    """The worker zeroes the new blocks of the attention groups, each once,
+    and never the Mamba group's, whose state it would wipe."""
+    e = mamba_engine(mode)
+    r = e.add_request(list(range(100, 148)), max_tokens=3)
+    so = e.step()
+    zeroed = so.new_block_ids_to_zero or []
+    assert len(zeroed) == len(set(zeroed))
+    assert set(zeroed) == attention_blocks(e, r) != set()
+    e.run()
+    assert e.runner.violations == [] and e.cuda.races == []
