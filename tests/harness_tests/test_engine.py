@@ -6,6 +6,12 @@ import pytest
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok
+from harness.mamba import (
+    PROMPT,
+    mamba_engine,
+    prompt_on_the_cpu_only,
+    skip_where_a_load_is_refused,
+)
 
 PROMPT_A = list(range(100, 700))
 PROMPT_B = list(range(5000, 5600))
@@ -115,29 +121,13 @@ def test_groups_of_different_block_sizes_share_one_page_size():
     assert e.runner.violations == []
 
 
-def mamba_engine(mode: str) -> Engine:
-    """A full-attention + Mamba layout in prefix-caching `mode`, or a skip
-    where the release has no such mode."""
-    from typing import get_args
-
-    from vllm.config.cache import MambaCacheMode
-
-    if mode not in get_args(MambaCacheMode):
-        pytest.skip(f"this release has no mamba_cache_mode {mode!r}")
-    return Engine(
-        HarnessConfig(
-            mamba=mode, num_gpu_blocks=32, num_cpu_blocks=32, max_num_batched_tokens=128
-        )
-    )
-
-
 @pytest.mark.parametrize("mode", ["align", "all"])
 def test_new_blocks_are_zeroed_on_the_compute_stream(mode):
     """With a Mamba group the scheduler names the new blocks for the worker
     to zero; the fake runner zeroes them on the compute stream ahead of the
     forward, which then writes them, so nothing reads a zeroed block."""
     e = mamba_engine(mode)
-    e.add_request(list(range(100, 148)), max_tokens=3)
+    e.add_request(PROMPT, max_tokens=3)
     so = e.step()
     assert so.new_block_ids_to_zero, "a Mamba hybrid zeroes new blocks"
     e.run()
@@ -152,25 +142,17 @@ def test_zeroing_a_loads_destination_is_a_race(mode):
     to 0.25.1 it names them, vllm#48481) is written twice, unordered. The
     checker reports exactly those blocks."""
     e = mamba_engine(mode)
-    prompt = list(range(100, 148))
-    e.add_request(prompt, max_tokens=3)
-    e.run()
-    assert e.block_pool.reset_prefix_cache()  # only the CPU has the prompt
-    e.add_request(prompt + list(range(900, 917)), max_tokens=2)
+    prompt_on_the_cpu_only(e)
+    e.add_request(PROMPT + list(range(900, 917)), max_tokens=2)
     zeroed: set[int] = set()
     loaded: set[int] = set()
-    try:
+    with skip_where_a_load_is_refused(mode):
         while e.busy():
             so = e.step()
             if so is None:
                 continue
             zeroed |= set(so.new_block_ids_to_zero or ())
             loaded |= set(so.kv_connector_metadata.load_gpu_blocks)
-    except AssertionError as error:
-        # 0.19.0-0.22.1 stop a KV connector's load with an align group.
-        if "External KV connector is not verified yet" not in str(error):
-            raise
-        pytest.skip(f"this release refuses a load with a Mamba {mode} group")
     assert loaded, "the extension loads its prefix from the CPU"
     assert {r.block for r in e.cuda.races} == zeroed & loaded
     assert all("zeroing" in r.first.op.name for r in e.cuda.races)
@@ -194,11 +176,8 @@ def test_a_failed_load_on_a_mamba_hybrid_stops_the_engine(valid_blocks):
     # 'all' where the release has it; 'align' refuses a connector's load
     # before 0.23.0.
     e = mamba_engine("all" if "all" in get_args(MambaCacheMode) else "align")
-    prompt = list(range(100, 148))
-    e.add_request(prompt, max_tokens=3)
-    e.run()
-    assert e.block_pool.reset_prefix_cache()  # only the CPU has the prompt
-    r = e.add_request(prompt + list(range(900, 917)), max_tokens=2)
+    prompt_on_the_cpu_only(e)
+    r = e.add_request(PROMPT + list(range(900, 917)), max_tokens=2)
     e.fail_next_load(r, valid_blocks=valid_blocks)
     with pytest.raises(
         (ValueError, RuntimeError), match="unpack|multiple KV cache groups"

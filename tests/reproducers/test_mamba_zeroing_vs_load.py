@@ -15,26 +15,16 @@ reports two writes to one block that no event orders.
 
 from __future__ import annotations
 
-from typing import get_args
-
 import pytest
 
-from harness.engine import Engine, HarnessConfig
-
-PROMPT = list(range(100, 148))  # three blocks of 16
-
-
-def mamba_engine(mode: str, **overrides) -> Engine:
-    """A full-attention + Mamba layout with SimpleCPUOffload, or a skip
-    where the release has no such mode."""
-    from vllm.config.cache import MambaCacheMode
-
-    if mode not in get_args(MambaCacheMode):
-        pytest.skip(f"this release has no mamba_cache_mode {mode!r}")
-    cfg = dict(
-        mamba=mode, num_gpu_blocks=32, num_cpu_blocks=32, max_num_batched_tokens=128
-    )
-    return Engine(HarnessConfig(**(cfg | overrides)))
+from harness.engine import Engine
+from harness.mamba import (
+    PROMPT,
+    attention_blocks,
+    mamba_engine,
+    prompt_on_the_cpu_only,
+    skip_where_a_load_is_refused,
+)
 
 
 def run_collecting(e: Engine, mode: str) -> tuple[set[int], set[int], set[int]]:
@@ -43,7 +33,7 @@ def run_collecting(e: Engine, mode: str) -> tuple[set[int], set[int], set[int]]:
     zeroed: set[int] = set()
     loaded: set[int] = set()
     both: set[int] = set()
-    try:
+    with skip_where_a_load_is_refused(mode):
         while e.busy():
             so = e.step()
             if so is None:
@@ -53,11 +43,6 @@ def run_collecting(e: Engine, mode: str) -> tuple[set[int], set[int], set[int]]:
             zeroed |= zero
             loaded |= load
             both |= zero & load
-    except AssertionError as error:
-        # 0.19.0-0.22.1 stop a KV connector's load with an align group.
-        if "External KV connector is not verified yet" not in str(error):
-            raise
-        pytest.skip(f"this release refuses a load with a Mamba {mode} group")
     return zeroed, loaded, both
 
 
@@ -65,9 +50,7 @@ def run_collecting(e: Engine, mode: str) -> tuple[set[int], set[int], set[int]]:
 @pytest.mark.parametrize("mode", ["align", "all"])
 def test_a_loads_destination_is_never_zeroed(mode, async_scheduling):
     e = mamba_engine(mode, async_scheduling=async_scheduling)
-    e.add_request(PROMPT, max_tokens=3)
-    e.run()
-    assert e.block_pool.reset_prefix_cache()  # only the CPU has the prompt
+    prompt_on_the_cpu_only(e)
     e.add_request(PROMPT + list(range(900, 917)), max_tokens=2)
     # A request admitted in the same step computes its own new blocks: those
     # are still zeroed.
@@ -86,16 +69,10 @@ def test_a_loaded_block_given_to_another_request_is_zeroed_for_it(mode):
     the load's request has finished and its blocks are free, a request that
     computes into them gets them zeroed first."""
     e = mamba_engine(mode)
-    e.add_request(PROMPT, max_tokens=3)
-    e.run()
-    assert e.block_pool.reset_prefix_cache()  # only the CPU has the prompt
+    prompt_on_the_cpu_only(e)
     r = e.add_request(PROMPT + list(range(900, 917)), max_tokens=2)
-    try:
+    with skip_where_a_load_is_refused(mode):
         e.step()
-    except AssertionError as error:
-        if "External KV connector is not verified yet" not in str(error):
-            raise
-        pytest.skip(f"this release refuses a load with a Mamba {mode} group")
     # The attention blocks the load writes (the Mamba group's are never
     # zeroed).
     loaded = attention_blocks(e, r)
@@ -122,25 +99,12 @@ def test_a_loaded_block_given_to_another_request_is_zeroed_for_it(mode):
     assert e.runner.violations == [] and e.cuda.races == []
 
 
-def attention_blocks(e: Engine, req_id: str) -> set[int]:
-    """The request's blocks in the groups whose new blocks are zeroed (not
-    the Mamba group's)."""
-    groups = e.kv_cache_config.kv_cache_groups
-    ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)
-    return {
-        b
-        for group, group_ids in zip(groups, ids, strict=False)
-        if "Mamba" not in type(group.kv_cache_spec).__name__
-        for b in group_ids
-    }
-
-
 @pytest.mark.parametrize("mode", ["align", "all"])
 def test_only_the_attention_groups_new_blocks_are_zeroed(mode):
     """The worker zeroes the new blocks of the attention groups, each once,
     and never the Mamba group's, whose state it would wipe."""
     e = mamba_engine(mode)
-    r = e.add_request(list(range(100, 148)), max_tokens=3)
+    r = e.add_request(PROMPT, max_tokens=3)
     so = e.step()
     zeroed = so.new_block_ids_to_zero or []
     assert len(zeroed) == len(set(zeroed))
