@@ -79,6 +79,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 from vllm.v1.structured_output import StructuredOutputManager
 
+from harness import reservation_check
 from harness.fake_cuda import CopyEngine, FakeCuda
 
 MODEL_DIR = Path(__file__).parent / "model"
@@ -163,6 +164,10 @@ class HarnessConfig:
     pipeline_parallel_size: int = 1
     # Steps after launch at which a transfer completes (0: in the same step).
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
+    # Compare every reservation the scheduler reads for an async load with a
+    # recount (harness.reservation_check); off only where the recount's
+    # cost would distort a timing (make bench).
+    check_reservations: bool = True
 
     def group_kinds(self) -> list[str]:
         """Each KV cache group's kind, in group order: full, then swa, then
@@ -684,6 +689,8 @@ class Engine:
         # first blocks stay valid (see fail_next_load).
         self._failing_loads: dict[str, int] = {}
         self._guard_block_counts()
+        if self.cfg.check_reservations:
+            reservation_check.install(self.scheduler)
 
     def _guard_block_counts(self) -> None:
         """Fail at once when the GPU pool is asked for more blocks than it
