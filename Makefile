@@ -17,7 +17,7 @@ PICK = $(if $(filter command line,$(origin VERSION)),--version $(VERSION),--seri
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-releases test-slow bench rebase \
 	rebase-continue rebase-abort matrix wheel overlay image export import soak differential \
-	mutate e2e clean standin upstream-cut bisect-upstream canary ledger
+	mutate e2e clean standin upstream-cut bisect-upstream canary ledger test-gpu
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z0-9-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -47,6 +47,9 @@ test-releases: ## every release's series: reproducers and upstream tests, base a
 
 test-slow: ## slow tests: the real 0.20.2 -> 0.33.0 rebase; upstream's wheel repacked; make image
 	$(PYTHON) scripts/prove/run_tests.py --slow
+
+test-gpu: ## the copy-vs-compute races on a real GPU, base against series (one line and exit 0 without CUDA; ARGS=--bundle writes what a GPU machine needs)
+	$(PYTHON) scripts/prove/test_gpu.py $(ARGS)
 
 wheel: ## patched wheel from upstream's released one, into dist/
 	$(PYTHON) scripts/ship/repack.py $(PICK) $(ARGS)
