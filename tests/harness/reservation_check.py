@@ -10,7 +10,9 @@ each other). Checking at step boundaries would not see it, since the end
 of every step marks the requests it scheduled; so each value the
 scheduler reads is compared, when it reads it, with the sum counted anew
 over every in-flight prefill. On a tree without the running total (the
-bare releases) nothing is installed.
+bare releases) nothing is installed. From 0.23.0, where upstream sums per
+admission, the series keeps the same running total (release patch
+"keep the in-flight prefills' reservation as a running total").
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def recount(scheduler: Any, candidate: Any = None) -> int:
-    """The reservation summed anew: every in-flight prefill but `candidate`."""
-    prefills = scheduler._inflight_prefills
+def recount(prefills: Any, candidate: Any = None) -> int:
+    """The reservation summed anew: every in-flight prefill but `candidate`,
+    each counted now by the scheduler's own count."""
     return sum(
-        scheduler._count_prefill_blocks_needed(request)
+        prefills._count_needed(request)
         for request in list(prefills)
         if request is not candidate
     )
@@ -33,11 +35,11 @@ def install(scheduler: Any) -> bool:
     Returns whether the tree keeps a running total to check."""
     prefills = getattr(scheduler, "_inflight_prefills", None)
     kept = getattr(prefills, "reserved_blocks", None)
-    if kept is None or not hasattr(scheduler, "_count_prefill_blocks_needed"):
+    if kept is None or not hasattr(prefills, "_count_needed"):
         return False
 
     def checked(candidate: Any = None) -> int:
-        want = recount(scheduler, candidate)
+        want = recount(prefills, candidate)
         got = kept(candidate)
         if got != want:
             raise AssertionError(

@@ -1,14 +1,19 @@
-"""What admitting async KV loads costs, counted in work rather than time.
+"""Reproducer for the release patch "keep the in-flight prefills'
+reservation as a running total" (0.23.0-0.33.0), and a guard for 0008's
+running total (0.19.0-0.22.1): what admitting async KV loads costs,
+counted in work rather than time.
 
-The series' 0008 reserves, for every async load it admits, the blocks the
-prefills in flight still need. Summed anew per admission, that is one
-get_num_blocks_to_allocate call per in-flight prefill per load considered:
-a burst of N CPU hits costs O(N^2) calls in one step (issue 38 measured
-1.14 M calls against the release's 52 k at 4,096 requests). Kept as a
-running total it costs at most one count per request per change, the order
-of what allocate_slots itself does. The test counts calls, so it holds on
-any machine and on every tree: the bare release (no reservation at all)
-passes it too; a per-admission sum fails it.
+An async load is admitted only if it leaves free the blocks the prefills
+in flight still need. Upstream (from 0.23.0) and the first form of 0008
+summed that anew for every load considered: one get_num_blocks_to_allocate
+call per in-flight prefill per admission, so a burst of N CPU hits costs
+O(N^2) calls in one step (issue 38 measured 1.14 M calls against the
+release's 52 k at 4,096 requests, and a 14.8 s step on bare 0.33.0). Kept
+as a running total it costs at most one count per request per change, the
+order of what allocate_slots itself does. The test counts calls, so it
+holds on any machine. It fails on bare 0.23.0-0.33.0 and passes with their
+series; bare 0.19.0-0.22.1 have no reservation at all and pass it, as do
+their series.
 """
 
 from __future__ import annotations
