@@ -79,7 +79,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 from vllm.v1.structured_output import StructuredOutputManager
 
-from harness import reservation_check
+from harness import end_state, reservation_check
 from harness.fake_cuda import CopyEngine, FakeCuda
 
 MODEL_DIR = Path(__file__).parent / "model"
@@ -866,4 +866,9 @@ class Engine:
             self.step()
             if after_step is not None:
                 after_step(self)
+        if not self.scheduler.requests:
+            problems = end_state.end_state_violations(self)
+            assert not problems, "left behind after the run:\n  " + "\n  ".join(
+                problems
+            )
         return self.stats.steps - start

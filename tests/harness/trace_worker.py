@@ -29,6 +29,7 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
+from harness.end_state import end_state_violations
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import manager_violations
 from harness.soak_worker import where
@@ -138,6 +139,10 @@ def run(seed: int, family: str = "mixed") -> dict[str, Any]:
             if e.runner.violations:
                 out["violation"] = f"content: {e.runner.violations[0]}"
                 break
+        # Drained: every block back, no request state left behind.
+        drained = not out["violation"] and not e.busy() and not e.scheduler.requests
+        if drained and (problems := end_state_violations(e)):
+            out["violation"] = f"end: {problems[0]}"
     except Exception as exc:
         if where(exc) == "?":
             raise  # the harness's own failure, not vLLM's: stop the worker
