@@ -110,6 +110,28 @@ def pip_install(venv: Path, args: list[str]) -> None:
         )
 
 
+def installed(name: str, venv: Path = VENV) -> tuple[str, Path | None] | None:
+    """The version of `name` installed in `venv` and, for an editable
+    install (pip install -e), the directory it runs from; None if absent.
+    Read from the files pip wrote, without starting Python."""
+    for dist in sorted(venv.glob(f"lib/python3*/site-packages/{name}-*.dist-info")):
+        meta = dist / "METADATA"
+        if not meta.is_file():
+            continue
+        m = re.search(r"^Version: (\S+)", meta.read_text(errors="replace"), re.M)
+        if not m:
+            continue
+        source = None
+        try:
+            url = json.loads((dist / "direct_url.json").read_text())
+            if url.get("dir_info", {}).get("editable"):
+                source = Path(url["url"].removeprefix("file://"))
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass
+        return m.group(1), source
+    return None
+
+
 def ensure_venv(
     level: str = "build", common_txt: Path | None = None, venv: Path = VENV
 ) -> Path:
