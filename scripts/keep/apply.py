@@ -384,12 +384,13 @@ def marker_variable(marker: dict) -> str:
     return f"VERSION={release}" if release and release != "?" else ""
 
 
-def take_back_interrupted(tree: Path, series: Series | None, base: Base) -> None:
+def take_back_interrupted(tree: Path, series: Series | None, base: Base) -> bool:
     """If the last build of `tree` was cut short, undo its half-done work
-    (or refuse, naming the changes it cannot account for) and say so."""
+    (or refuse, naming the changes it cannot account for), say so and
+    return True."""
     marker = interrupted.read_marker(tree)
     if not marker:
-        return
+        return False
     again = f"make apply {marker_variable(marker)}".strip()
     if tree.resolve() != DEFAULT_TREE.resolve():
         again += f" TREE={rel(tree)}"
@@ -404,6 +405,7 @@ def take_back_interrupted(tree: Path, series: Series | None, base: Base) -> None
         f"{marker.get('release', '?')}) was interrupted at its "
         f"{marker.get('stage', '?')}; its half-done work is undone"
     )
+    return True
 
 
 def mark(tree: Path, series: Series | None, base: Base, stage: str) -> None:
@@ -440,20 +442,14 @@ def apply_series(
     patches = series.patches()
     fingerprint = series.fingerprint()
     init_tree(tree)
-    take_back_interrupted(tree, series, base)
+    resumed = take_back_interrupted(tree, series, base)
     check_clean(tree, series)
     on_branch = git(tree, "symbolic-ref", "-q", "--short", "HEAD", check=False)
     # A tree made before the base moved to refs/remotes/ is rebuilt once.
     has_base = git_ok(tree, "rev-parse", "-q", "--verify", base.tree_ref)
-    tagged = git(
-        tree, "rev-parse", "-q", "--verify", f"refs/tags/v{base.version}", check=False
-    )
-    if (
-        on_branch == base.branch
-        and head_fingerprint(tree) == fingerprint
-        and has_base
-        and tagged == git(tree, "rev-parse", "HEAD")
-    ):
+    if on_branch == base.branch and head_fingerprint(tree) == fingerprint and has_base:
+        if resumed:  # cut short between the overlay commit and the tag
+            git(tree, "tag", "-f", f"v{base.version}", "HEAD")
         say(
             f"{rel(tree)}/ is up to date ({base.branch}, {len(patches)} patches, "
             f"series {fingerprint}); nothing to do"

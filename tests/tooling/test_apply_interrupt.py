@@ -188,7 +188,7 @@ def test_an_interrupt_before_the_release_tag_is_finished(two, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         apply_series(second, up.tree, up.cache)
     monkeypatch.undo()
-    assert apply_series(second, up.tree, up.cache)
+    apply_series(second, up.tree, up.cache)  # the build is there: only the tag
     assert git(up.tree, "describe", "--tags") == "v9.9.10"
     assert read_marker(up.tree) is None
 
