@@ -1,0 +1,69 @@
+"""Each release's REBASE.md names exactly the patches of its series (issue
+41: patches/v0.28.0/REBASE.md listed 7 patches while the series had 9).
+
+`make rebase` writes REBASE.md with a table of where each patch of the
+series it came from went (its "now" column names the new file). A patch
+added to the series afterwards, by hand, goes in the table under
+ADDED_HEADING: its file, its subject as the patch has it, and how it came.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from lib.series import find_series
+
+ADDED_HEADING = "## Added to this series after the rebase"
+PATCH_NAME = re.compile(r"\d{4}-\S+\.patch")
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def kept_by_the_rebase(text: str) -> list[str]:
+    """The "now" column of the rebase's table: the files its patches became."""
+    head = text.split(ADDED_HEADING)[0]
+    return [
+        row[3]
+        for row in map(cells, head.splitlines())
+        if len(row) >= 4 and PATCH_NAME.fullmatch(row[0]) and row[3] != "dropped"
+    ]
+
+
+def added_after(text: str) -> dict[str, str]:
+    """The added table: file -> subject."""
+    if ADDED_HEADING not in text:
+        return {}
+    tail = text.split(ADDED_HEADING, 1)[1].split("\n## ")[0]
+    return {
+        row[0]: row[1]
+        for row in map(cells, tail.splitlines())
+        if len(row) >= 3 and PATCH_NAME.fullmatch(row[0])
+    }
+
+
+RELEASES = find_series()[1:]
+
+
+@pytest.mark.parametrize("series", RELEASES, ids=lambda s: s.dir.name)
+def test_rebase_md_names_exactly_the_patches_of_its_series(series):
+    text = (series.dir / "REBASE.md").read_text()
+    kept, added = kept_by_the_rebase(text), added_after(text)
+    have = {p.name: p.subject() for p in series.patches()}
+    named = kept + list(added)
+    assert len(named) == len(set(named)), f"named twice: {sorted(named)}"
+    assert set(named) == set(have), (
+        f"{series.dir.name}/REBASE.md names {len(named)} patches, the series has "
+        f"{len(have)}; missing: {sorted(set(have) - set(named))}, not in the "
+        f"series: {sorted(set(named) - set(have))}"
+    )
+    wrong = {n: s for n, s in added.items() if s != have[n]}
+    assert not wrong, f"subjects differ from the patches': {wrong}"
+
+
+def test_every_release_but_the_default_has_notes():
+    assert len(RELEASES) >= 20
+    assert all((s.dir / "REBASE.md").is_file() for s in RELEASES)
