@@ -7,12 +7,16 @@ SERIES ?= patches
 TREE ?= vllm
 # Extra arguments for a script, e.g. make export ARGS="--onto main"
 ARGS ?=
-# make apply/install/wheel/overlay VERSION=0.28.0: that release's series
-# (patches/v0.28.0/, or patches/ for its own release) instead of SERIES.
+# make apply/install/refresh/wheel/overlay/image VERSION=0.28.0: that
+# release's series (patches/v0.28.0/, or patches/ for its own release).
+# Without VERSION= or SERIES=, the series $(TREE)/ was built from: a release
+# chosen once (make apply VERSION=0.28.0) holds until another is chosen
+# (scripts/keep/tree_release.py --pick; patches/ when there is no tree).
 # (make rebase reads VERSION as the version a git ref stands for.)
 # Only a VERSION given on the command line: one exported for another tool
 # must not switch the series silently.
-PICK = $(if $(filter command line,$(origin VERSION)),--version $(VERSION),--series $(SERIES))
+VERSION_ASKED = $(filter command line,$(origin VERSION))
+PICK = $(if $(VERSION_ASKED),--version $(VERSION),$(if $(filter command line environment,$(origin SERIES)),--series $(SERIES),$(shell $(PYTHON) scripts/keep/tree_release.py --pick --tree $(TREE))))
 
 .DEFAULT_GOAL := help
 .PHONY: help fetch apply refresh install venv test test-releases test-slow bench rebase \
@@ -21,7 +25,7 @@ PICK = $(if $(filter command line,$(origin VERSION)),--version $(VERSION),--seri
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z0-9-]+:.*## / {printf "  make %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
-	@echo "  Variables: SERIES=$(SERIES) TREE=$(TREE) PYTHON=$(PYTHON)"
+	@echo "  Variables: VERSION=<release> (default: the one $(TREE)/ holds) SERIES=$(SERIES) TREE=$(TREE) PYTHON=$(PYTHON)"
 	@echo "  make rebase: BASE=<release or git ref> [INTO=patches/v<release>] [VERSION= GIT_URL= EDIT=<patch number>]"
 
 fetch: ## download and verify the pinned upstream base, import it into .cache/
@@ -42,8 +46,8 @@ venv: ## create .venv with torch and vLLM's build requirements
 test: ## tooling tests, upstream tests on base and series, reproducers, lint
 	$(PYTHON) scripts/prove/run_tests.py $(ARGS)
 
-test-releases: ## every release's series: reproducers and upstream tests, base against series (RELEASES=0.19.0,0.28.0)
-	$(PYTHON) scripts/prove/test_releases.py $(if $(RELEASES),--releases $(RELEASES))
+test-releases: ## every release's series: reproducers and upstream tests, base against series (RELEASES=0.19.0,0.28.0; VERSION=0.28.0 for one)
+	$(PYTHON) scripts/prove/test_releases.py $(if $(RELEASES),--releases $(RELEASES),$(if $(VERSION_ASKED),--releases $(VERSION)))
 
 test-slow: ## slow tests: the real 0.20.2 -> 0.33.0 rebase; upstream's wheel repacked; make image
 	$(PYTHON) scripts/prove/run_tests.py --slow
@@ -57,11 +61,11 @@ wheel: ## patched wheel from upstream's released one, into dist/
 overlay: ## container build context over upstream's image, into dist/
 	$(PYTHON) scripts/ship/container.py $(PICK) $(ARGS)
 
-image: venv ## build make overlay's context with podman on a local stand-in for upstream's image; reproducers run inside
-	$(PYTHON) scripts/ship/image.py --series $(SERIES) $(ARGS)
+image: venv ## build make overlay's context with podman on a local stand-in for upstream's image; reproducers run inside (VERSION=<release>)
+	$(PYTHON) scripts/ship/image.py $(PICK) $(ARGS)
 
-export: venv ## the newest series as upstream PRs: branch, .patch, PR text, vLLM's checks (ARGS=--onto/--upstream)
-	$(PYTHON) scripts/ship/export.py $(ARGS)
+export: venv ## the newest series as upstream PRs: branch, .patch, PR text, vLLM's checks (ARGS=--onto/--upstream; VERSION= another series)
+	$(PYTHON) scripts/ship/export.py $(if $(VERSION_ASKED),--version $(VERSION)) $(ARGS)
 
 import: ## add an upstream fix as the next patch (ARGS="--repo CLONE RANGE" or ARGS=FILE)
 	$(PYTHON) scripts/keep/import_patch.py --series $(SERIES) $(ARGS)
@@ -103,7 +107,7 @@ bench: ## allocator speed: unpatched base against the series, side by side
 	$(PYTHON) scripts/prove/bench.py --series $(SERIES)
 
 e2e: apply ## the real vllm serve on a CPU, base against series, via the openai client (.work/e2e/)
-	$(PYTHON) scripts/prove/e2e.py $(ARGS)
+	$(PYTHON) scripts/prove/e2e.py $(if $(VERSION_ASKED),--release $(VERSION)) $(ARGS)
 
 mutate: ## hunk reverts, operator mutants and hand-written semantic mutants must each fail a test (ARGS=--kinds=semantic; .work/mutate/)
 	$(PYTHON) scripts/prove/mutate.py $(ARGS)

@@ -67,15 +67,15 @@ def trailers(message: str) -> dict[str, str]:
     return found
 
 
-def overlay_trailers(tree: Path) -> dict[str, str] | None:
-    """The trailers of the newest overlay commit in HEAD's history."""
+def overlay_trailers(tree: Path, ref: str = "HEAD") -> dict[str, str] | None:
+    """The trailers of the newest overlay commit in `ref`'s history."""
     out = git(
         tree,
         "log",
         "--first-parent",
         f"-n{HISTORY_LIMIT}",
         "--format=%B%x00",
-        "HEAD",
+        ref,
         check=False,
     )
     for message in out.split("\0"):
@@ -117,6 +117,14 @@ def tree_holds(tree: Path = DEFAULT_TREE) -> Holding | None:
     if not release:
         return None
     return Holding(release, found.get(DIR_TRAILER), found.get(FINGERPRINT_TRAILER))
+
+
+def series_recorded_at(tree: Path, ref: str) -> Series | None:
+    """The series the build `ref` stands on records, if it is still there."""
+    found = overlay_trailers(tree, ref) or {}
+    if RELEASE_TRAILER not in found:
+        return None
+    return recorded_series(Holding(found[RELEASE_TRAILER], found.get(DIR_TRAILER)))
 
 
 def recorded_series(holding: Holding) -> Series | None:

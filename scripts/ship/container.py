@@ -39,6 +39,7 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from keep.tree_release import announce_choice
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
 from lib.paths import DIST, ROOT, fresh_output_dir, rel
@@ -269,6 +270,7 @@ def main() -> int:
     )
     args = p.parse_args()
     series = series_from_arguments(args)
+    announce_choice(series, "writing the context of")
     version = series.base().version
     tree = ship_tree(series, args.tree.resolve() if args.tree else None)
     out = (args.out or DIST / f"container-v{version}").resolve()

@@ -52,11 +52,12 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from keep.apply import apply_series
 from keep.refresh import format_patches
+from keep.tree_release import tree_holds
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
 from lib.paths import DEFAULT_SERIES, DEFAULT_TREE, DIST, WORK, fresh_output_dir, rel
 from lib.proc import git, git_ok, run
-from lib.series import Patch, Series, find_series
+from lib.series import Patch, Series, find_series, series_for_version
 from lib.venv import TEST_REQS, VENV, pip_install, release_venv
 from ship import export_checks
 from ship.export_pr import and_list, e2e_figures, pr_description
@@ -309,13 +310,36 @@ def export_series(
     return results
 
 
+def say_why_newest(series: Series) -> None:
+    """Why the newest series, when the operator's tree holds another."""
+    version = series.base().version
+    holding = tree_holds(DEFAULT_TREE)
+    mine = holding.release if holding else None
+    say(
+        f"exporting the {version} series, the newest: the closest to upstream "
+        "main, where pull requests go"
+        + (
+            f" ({rel(DEFAULT_TREE)}/ holds {mine}: VERSION={mine} exports its "
+            "series instead)"
+            if mine and mine != version
+            else ""
+        )
+    )
+
+
 def main() -> int:
     p = parser(__doc__)
-    p.add_argument(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
         "--series",
         type=Path,
         help="series directory (default: the newest release's, the closest "
         "to upstream main)",
+    )
+    which.add_argument(
+        "--version",
+        metavar="RELEASE",
+        help="the series of this release (make export VERSION=0.28.0)",
     )
     p.add_argument(
         "--tree",
@@ -358,7 +382,13 @@ def main() -> int:
         help="skip the slow checks: mypy and the tests (base and branch)",
     )
     args = p.parse_args()
-    series = Series(args.series.resolve()) if args.series else find_series()[-1]
+    if args.version:
+        series = series_for_version(args.version)
+    elif args.series:
+        series = Series(args.series.resolve())
+    else:
+        series = find_series()[-1]
+        say_why_newest(series)
     tree = args.tree
     if tree is None and series.dir == DEFAULT_SERIES:
         tree = DEFAULT_TREE

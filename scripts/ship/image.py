@@ -51,11 +51,12 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.fetch import sha256_file
+from keep.tree_release import announce_choice
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
 from lib.paths import CACHE, DIST, ROOT, WORK, fresh_output_dir, rel
 from lib.proc import run
-from lib.series import Series
+from lib.series import Series, add_series_arguments, series_from_arguments
 from lib.testenv import build_hf_cache
 from lib.venv import DEFAULT_TORCH, TEST_REQS, adapted_requirements, ensure_venv
 from ship.changes import add_ship_tree_argument, ship_tree
@@ -424,7 +425,8 @@ def check_summary(output: str) -> str:
 
 
 def main() -> int:
-    p = parser(__doc__, series="series directory")
+    p = parser(__doc__)
+    add_series_arguments(p)
     add_ship_tree_argument(p)
     p.add_argument(
         "--storage-driver",
@@ -447,7 +449,8 @@ def main() -> int:
     args = p.parse_args()
     start = time.monotonic()
     timings: list[tuple[str, float]] = []
-    series = Series(args.series.resolve())
+    series = series_from_arguments(args)
+    announce_choice(series, "imaging")
     version = series.base().version
     ensure_tools(["podman"], not args.no_install)
     check_podman()

@@ -10,6 +10,13 @@ this machine, printed before it runs:
                              the torch version that release pins
 Both use --no-build-isolation: the build requirements are already in .venv
 (an isolated build would download the CUDA torch pyproject.toml pins).
+
+The installed package says what it is: VLLM_VERSION_OVERRIDE (read by
+vLLM's setup.py) sets its version to the release the tree holds with the
+fork's label, as the patched wheel has it, and vLLM's device suffix:
+0.28.0+fork.10.g1a2b3c4d.empty (pip show vllm, vllm.__version__). An
+editable install keeps that version until it is installed again: after
+`make apply VERSION=<another release>`, `make install` (apply says so).
 """
 
 from __future__ import annotations
@@ -23,11 +30,15 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from keep.tree_release import OVERLAY_SUBJECT, tree_holds
 from lib.cli import main_guard, parser, say
 from lib.errors import ForkError
 from lib.paths import CACHE, rel
-from lib.proc import run
+from lib.proc import git, run
 from lib.venv import VENV, ensure_venv, pip_install
+
+# What vLLM's setup.py appends to the version for each way of installing.
+DEVICE_SUFFIX = {"cpu": "empty", "cuda": "precompiled"}
 
 
 def detect_device() -> str:
@@ -93,6 +104,26 @@ def install_env(device: str, tree: Path) -> tuple[Path, dict[str, str]]:
     }
 
 
+def fork_version(tree: Path, device: str) -> str:
+    """The version the install reports: <release>+fork.<patches>.g<series
+    fingerprint>.<device suffix>; `.edited` before the suffix when commits
+    sit on top of the build (make refresh, make apply to put them in)."""
+    holding = tree_holds(tree)
+    if holding is None or not holding.complete or not holding.fingerprint:
+        raise ForkError(
+            f"{rel(tree)}/ is not a finished `make apply` build: run `make apply` "
+            "(VERSION=<release> for another release) first"
+        )
+    base = f"upstream/v{holding.release}"
+    subjects = git(tree, "log", "--format=%s", f"{base}..HEAD").splitlines()
+    patches = [s for s in subjects if not s.startswith(OVERLAY_SUBJECT)]
+    edited = not (subjects and subjects[0].startswith(OVERLAY_SUBJECT))
+    label = f"fork.{len(patches)}.g{holding.fingerprint[:8]}"
+    if edited:
+        label += ".edited"
+    return f"{holding.release}+{label}.{DEVICE_SUFFIX[device]}"
+
+
 def main() -> int:
     p = parser(__doc__, tree="patched checkout to install")
     p.add_argument(
@@ -107,6 +138,7 @@ def main() -> int:
         raise ForkError(f"{rel(tree)}/ is not a vLLM tree: run `make apply` first")
     device = detect_device() if args.device == "auto" else args.device
     python, env = install_env(device, tree)
+    env["VLLM_VERSION_OVERRIDE"] = fork_version(tree, device)
     shown = " ".join(f"{k}={v}" for k, v in env.items())
     say(f"==> {shown} {rel(VENV)}/bin/pip install --no-build-isolation -e {rel(tree)}")
     os.environ.update(env)
@@ -114,7 +146,11 @@ def main() -> int:
     # -I: not the checkout's vllm/ directory (a namespace package from the
     # repository's root), only what the install put on the path.
     version = run([python, "-I", "-c", "import vllm; print(vllm.__version__)"]).stdout
-    say(f"installed vllm {version.strip()}")
+    holding = tree_holds(tree)
+    say(
+        f"installed vllm {version.strip()} (release {holding.release}, series "
+        f"{holding.series_dir or '?'}/ {holding.fingerprint})"
+    )
     return 0
 
 

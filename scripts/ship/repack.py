@@ -30,6 +30,7 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from keep.tree_release import announce_choice
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
 from lib.paths import DIST, rel
@@ -383,6 +384,7 @@ def main() -> int:
     )
     args = p.parse_args()
     series = series_from_arguments(args)
+    announce_choice(series, "making the wheel of")
     out, upstream, changes = build_wheel(
         series,
         args.tree.resolve() if args.tree else None,
