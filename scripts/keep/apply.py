@@ -35,6 +35,7 @@ from keep.tree_release import (
     RELEASE_TRAILER,
     announce_choice,
     release_from_history,
+    series_recorded_at,
     stale_install,
 )
 from lib.cli import main_guard, parser, say, step
@@ -270,6 +271,9 @@ def series_of_ref(tree: Path, ref: str, series: Series) -> Series:
     base = series.base()
     if git_ok(tree, "merge-base", "--is-ancestor", base.tree_ref, ref):
         return series
+    recorded = series_recorded_at(tree, ref)
+    if recorded is not None:
+        return recorded
     version = release_from_history(tree, ref)
     try:
         return series_for_version(version) if version else series

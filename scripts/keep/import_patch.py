@@ -36,11 +36,11 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from keep.apply import patch_ids, scratch_tree
+from keep.apply import make_hint, patch_ids, scratch_tree
 from keep.refresh import format_patches, series_commits
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
-from lib.paths import ROOT, WORK, rel
+from lib.paths import DEFAULT_TREE, ROOT, WORK, rel
 from lib.proc import git, git_ok, run, tool_identity_env
 from lib.series import TRACKED_PATHS, Series, is_tracked
 
@@ -222,9 +222,9 @@ def next_number(series: Series) -> int:
     return max((p.number for p in series.patches()), default=0) + 1
 
 
-def apply_mails(tree: Path, mails: list[Mail], keep: Path) -> None:
+def apply_mails(tree: Path, mails: list[Mail], keep: Path, series: Series) -> None:
     """git am the filtered mails at the tree's HEAD, or explain the conflict
-    (keeping the filtered patch as `keep`, to apply by hand)."""
+    (keeping the filtered patch as `keep`, to apply by hand on `series`)."""
     mbox = tree.parent / "filtered.patch"
     mbox.write_bytes(
         "".join(m.text() for m in mails).encode("utf-8", "surrogateescape")
@@ -249,10 +249,10 @@ def apply_mails(tree: Path, mails: list[Mail], keep: Path) -> None:
         "the change does not apply to the series"
         + (f" (conflicts in {', '.join(files)})" if files else "")
         + f":\n{out[-1500:]}\nThe filtered patch is kept as {rel(keep)}. To "
-        "import it by hand: make apply; git -C vllm am -3 "
-        + rel(keep)
-        + "; resolve, add the trailers (see --help) with git commit --amend; "
-        "make refresh."
+        f"import it by hand: {make_hint('apply', DEFAULT_TREE, series)}; "
+        f"git -C {rel(DEFAULT_TREE)} am -3 {rel(keep)}; resolve, add the trailers "
+        "(see --help) with git commit --amend; "
+        f"{make_hint('refresh', DEFAULT_TREE, series)}."
     )
 
 
@@ -308,7 +308,8 @@ def import_change(
     if not reproducers:
         say(
             "warning: no --reproducer: `make test` fails until the patch names "
-            "one (add a Reproducer: trailer in vllm/ and `make refresh`)"
+            "one (add a Reproducer: trailer in vllm/ and "
+            f"`{make_hint('refresh', DEFAULT_TREE, series)}`)"
         )
     number = next_number(series)
     with tempfile.TemporaryDirectory(prefix="vllm-fork-import-") as tmp:
@@ -318,7 +319,9 @@ def import_change(
         start = commits[-1] if commits else series.base().tag
         git(tree, "checkout", "-q", "--detach", start)
         step(f"applying {len(mails)} commit(s), tracked paths only")
-        apply_mails(tree, mails, WORK / "import" / f"{number:04d}-filtered.patch")
+        apply_mails(
+            tree, mails, WORK / "import" / f"{number:04d}-filtered.patch", series
+        )
         lines = trailers(mails, status, issues or [], reproducers or [])
         commit = squash(tree, start, mails, lines, subject)
         diff = git(tree, "show", "--format=", commit) + "\n"

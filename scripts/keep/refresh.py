@@ -18,7 +18,13 @@ from pathlib import Path
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from keep.apply import OVERLAY_SUBJECT, check_clean, init_tree
+from keep.apply import (
+    OVERLAY_SUBJECT,
+    check_clean,
+    init_tree,
+    make_hint,
+    series_of_ref,
+)
 from lib.cli import main_guard, parser, say
 from lib.errors import ForkError
 from lib.paths import DEFAULT_TREE, rel
@@ -50,12 +56,28 @@ FORMAT_PATCH = [
 def series_commits(tree: Path, series: Series) -> list[str]:
     """The tree's commits after the base that make up the series, in order."""
     base = series.base()
-    if not git_ok(tree, "rev-parse", "-q", "--verify", base.tree_ref):
-        raise ForkError(f"{rel(tree)}/ has no {base.tag}: run `make apply` first")
-    if not git_ok(tree, "merge-base", "--is-ancestor", base.tag, "HEAD"):
+    has_base = git_ok(tree, "rev-parse", "-q", "--verify", base.tree_ref)
+    if not has_base or not git_ok(
+        tree, "merge-base", "--is-ancestor", base.tag, "HEAD"
+    ):
+        # Name the series the tree does hold, by make's variables.
+        held = series_of_ref(tree, "HEAD", series)
+        other = (
+            f" It holds {held.base().version}: "
+            f"`{make_hint('refresh', tree, held)}` writes that series back."
+            if held is not series
+            else ""
+        )
+        if git_ok(tree, "rev-parse", "-q", "--verify", f"refs/heads/{base.branch}"):
+            instead = (
+                f"check out its branch (git -C {rel(tree)} checkout {base.branch})"
+            )
+        else:
+            instead = f"build it first (`{make_hint('apply', tree, series)}`)"
         raise ForkError(
             f"{rel(tree)}/ HEAD is not built on {base.tag}, the base pinned in "
-            f"{rel(series.base_file)}. Check out {base.branch} or pass --series."
+            f"{rel(series.base_file)}.{other} To write {rel(series.dir)}/ "
+            f"instead, {instead}."
         )
     overlay = {str(f) for f in series.overlay_files()}
     commits = []
@@ -114,7 +136,7 @@ def format_patches(
 def refresh_series(series: Series, tree: Path = DEFAULT_TREE) -> dict[str, list[str]]:
     """Sync series.dir with the tree; return names added/updated/removed."""
     init_tree(tree)
-    check_clean(tree)
+    check_clean(tree, series)
     commits = series_commits(tree, series)
     changes: dict[str, list[str]] = {"added": [], "updated": [], "removed": []}
     with tempfile.TemporaryDirectory() as tmp:

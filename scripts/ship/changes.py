@@ -14,7 +14,7 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keep.apply import apply_series, check_clean, head_fingerprint
+from keep.apply import apply_series, check_clean, head_fingerprint, make_hint
 from lib.errors import ForkError
 from lib.paths import WORK, rel
 from lib.proc import git, git_bytes
@@ -75,13 +75,14 @@ def ship_tree(series: Series, tree: Path | None = None) -> Path:
         return tree
     if not (tree / ".git").exists():
         raise ForkError(f"{rel(tree)}/ is not a tree built by `make apply`")
-    check_clean(tree)
+    check_clean(tree, series)
     have, want = head_fingerprint(tree), series.fingerprint()
     if have != want:
         raise ForkError(
             f"{rel(tree)}/ is not built from {rel(series.dir)}/ (its HEAD records "
-            f"series {have or 'none'}, the series is {want}). Run `make apply`, "
-            "or leave out --tree to build a tree from the series."
+            f"series {have or 'none'}, the series is {want}). Run "
+            f"`{make_hint('apply', tree, series)}`, or leave out --tree to build "
+            "a tree from the series."
         )
     return tree
 
