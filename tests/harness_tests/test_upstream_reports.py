@@ -1,0 +1,241 @@
+"""Probes of reports in upstream's record that the fork does not carry a fix
+for (docs/ledger-scan.md lists the scan; docs/ledger.md the rows).
+
+Each test pins what a release does, as its own code decides: the branch a
+release takes is chosen by the code that has the bug (an assertion's text,
+a counter that exists or not), never by a version number. So the test
+passes on every bare release and on every series, and it fails the day a
+series changes the outcome: then the ledger row it names is out of date
+(a backport landed, or a release fixed it), and the row is updated with
+the test.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from harness.engine import Engine, HarnessConfig
+from harness.mamba import (
+    PROMPT,
+    mamba_engine,
+    prompt_on_the_cpu_only,
+    skip_where_a_load_is_refused,
+)
+
+EXTENSION = list(range(900, 917))
+
+
+def loaded_blocks(e: Engine) -> set[int]:
+    """Run `e` until idle; the GPU blocks the connector loaded into."""
+    loaded: set[int] = set()
+    while e.busy():
+        so = e.step()
+        meta = getattr(so, "kv_connector_metadata", None) if so else None
+        loaded |= set(getattr(meta, "load_gpu_blocks", ()) or ())
+    return loaded
+
+
+def source_has(obj: object, text: str) -> bool:
+    return text in inspect.getsource(obj)
+
+
+# --- ledger row offload-reset-unsupported ----------------------------------
+
+
+def test_the_cpu_tier_is_cleared_only_where_the_connector_can_reset():
+    """reset_prefix_cache(reset_connector=True), as after a weight update:
+    0.19.0-0.23.0's SimpleCPUOffloadConnector raises NotImplementedError
+    after the GPU prefix cache was already cleared, and the next request
+    still loads the prompt from the CPU tier (KV of the old weights); from
+    0.24.0 the reset succeeds and the next request computes its prompt."""
+    e = Engine(HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32))
+    prompt = list(range(100, 148))
+    e.add_request(prompt, max_tokens=3)
+    e.run()
+    can_reset = hasattr(e.offload, "reset")
+    if can_reset:
+        assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    else:
+        with pytest.raises(NotImplementedError):
+            e.scheduler.reset_prefix_cache(reset_connector=True)
+    assert e.block_pool.get_num_free_blocks() == e.cfg.num_gpu_blocks - 1
+    e.add_request(prompt + EXTENSION, max_tokens=2)
+    loaded = loaded_blocks(e)
+    if can_reset:
+        assert not loaded, "the CPU tier still served a prompt after its reset"
+    else:
+        assert loaded, "the CPU tier the reset could not clear serves the prompt"
+    assert e.runner.violations == []
+
+
+# --- ledger row mamba-align-external-hit-assert ------------------------------
+
+
+def test_a_cpu_hit_on_a_mamba_align_hybrid():
+    """Up to 0.22.1 the scheduler's Mamba block-aligned split asserts that
+    no connector reports a hit: any CPU hit on a Mamba 'align' hybrid
+    kills the engine (vllm#42554 removed the assertion in 0.23.0)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    asserts = source_has(Scheduler, "External KV connector is not verified yet")
+    e = mamba_engine("align")
+    prompt_on_the_cpu_only(e)
+    e.add_request(PROMPT + EXTENSION, max_tokens=2)
+    if asserts:
+        with pytest.raises(AssertionError, match="not verified yet"):
+            e.run()
+        return
+    assert loaded_blocks(e), "the extension loads its prefix from the CPU"
+
+
+# --- ledger row mamba-align-shrinking-drafts ----------------------------------
+
+
+def test_a_mamba_align_request_asked_for_fewer_blocks_than_it_holds():
+    """Speculative decoding with a draft count that changes (suffix or
+    n-gram drafts): a step asks allocate_slots for its token and 20
+    drafts, all are rejected, and the next step asks for one token, fewer
+    blocks than the request holds. Up to 0.22.1 MambaManager (align mode)
+    asserts 'num_required_blocks N < len(req_blocks) M' (vllm#39271,
+    fixed by vllm#39562 in 0.23.0); later releases allocate nothing."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    asserts = source_has(MambaManager.allocate_new_blocks, "} < len(req_blocks) {")
+    e = mamba_engine("align", offload=False)
+    r = e.add_request(PROMPT, max_tokens=8)
+    req = e.requests[r]
+    while req.num_computed_tokens < len(PROMPT):  # one chunk or more
+        e.step()
+    manager = e.scheduler.kv_cache_manager
+    computed = req.num_computed_tokens
+    assert computed == len(PROMPT)
+    assert manager.allocate_slots(req, 1 + 20) is not None
+    # Every draft rejected: the step computed one token.
+    req.num_computed_tokens = computed + 1
+    if asserts:
+        with pytest.raises(AssertionError, match="num_required_blocks"):
+            manager.allocate_slots(req, 1)
+    else:
+        assert manager.allocate_slots(req, 1) is not None
+
+
+# --- ledger row async-preempt-placeholder-underflow ---------------------------
+
+
+@pytest.mark.parametrize("num_gpu_blocks", [8, 10])
+def test_preempting_a_request_with_two_steps_in_flight(num_gpu_blocks):
+    """Async scheduling with three steps in flight (pipeline stages): KV
+    pressure preempts a decoding request while two of its steps are
+    launched. Up to 0.26.0 the preemption leaves its output placeholders
+    counted, it is resumed before that output returns, and the engine dies
+    on `assert request.num_output_placeholders >= 0` (vllm#41190, fixed
+    by vllm#48245 in 0.27.0, which marks the in-flight output stale)."""
+    from vllm.v1.request import Request
+
+    probe = Request.__init__
+    tracks_stale = source_has(probe, "num_stale_output_tokens")
+    e = Engine(
+        HarnessConfig(
+            num_gpu_blocks=num_gpu_blocks,
+            offload=False,
+            prefix_caching=False,
+            async_scheduling=True,
+            pipeline_parallel_size=3,
+        )
+    )
+    a = e.add_request(list(range(100, 148)), max_tokens=40)
+    b = e.add_request(list(range(200, 248)), max_tokens=40)
+    if not tracks_stale:
+        with pytest.raises(AssertionError):
+            e.run(max_steps=500)
+        assert e.stats.preemptions >= 1
+        return
+    e.run(max_steps=500)
+    assert e.stats.preemptions >= 1
+    assert {a, b} <= e.stats.finished
+    assert e.runner.violations == []
+
+
+# --- ledger row hybrid-connector-hit-divergence -------------------------------
+
+
+def test_a_mamba_state_deeper_than_the_attention_hit():
+    """A Mamba hybrid with a connector: the prompt's last attention blocks
+    are evicted from the GPU prefix cache while its Mamba state block
+    survives. 0.24.0-0.26.0 take the deepest group's hit (max over the
+    groups) as the local hit, so the request skips tokens whose attention
+    KV nobody computes or loads: it reads zeroed blocks, no error
+    (vllm#46453, fixed by vllm#48425 in 0.27.0). Up to 0.23.0 the local
+    hit is the groups' common one (0.19.0-0.22.1 refuse the load: a
+    skip); from 0.27.0 the attention group's."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    takes_max = source_has(Scheduler, "max(per_group_hits)")
+    e = mamba_engine("align")
+    prompt = list(range(100, 164))
+    a = e.add_request(prompt, max_tokens=3)
+    e.step()
+    attention_ids = e.scheduler.kv_cache_manager.get_block_ids(a)[0]
+    e.run()
+    for block_id in attention_ids[2:4]:
+        e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
+    e.add_request(prompt + EXTENSION, max_tokens=2)
+    with skip_where_a_load_is_refused("align"):  # up to 0.22.1
+        e.run()
+    if takes_max:
+        missing = {(v.group, v.index, v.got) for v in e.runner.violations}
+        assert (0, 2, ("zeroed",)) in missing
+        assert (0, 3, ("zeroed",)) in missing
+    else:
+        assert e.runner.violations == []
+
+
+# --- ledger row eagle-mamba-hit-mismatch --------------------------------------
+
+
+def enable_eagle(e: Engine) -> None:
+    """Mark every KV cache group of the hybrid coordinator as an EAGLE/MTP
+    group, as a model with an EAGLE drafter has them (the harness has no
+    drafter: only the prefix lookup's EAGLE rules are exercised)."""
+    coordinator = e.scheduler.kv_cache_manager.coordinator
+    groups = coordinator.attention_groups
+    if hasattr(coordinator, "eagle_attn_group_indices"):  # 0.20.0-0.25.1
+        coordinator.eagle_attn_group_indices = set(range(len(groups)))
+    elif "use_eagle" in getattr(groups[0], "_fields", ()):  # 0.26.0 on
+        coordinator.attention_groups = [g._replace(use_eagle=True) for g in groups]
+        for manager in coordinator.single_type_managers:
+            manager.use_eagle = True
+    else:  # 0.19.x: one flag for the coordinator
+        coordinator.use_eagle = True
+    if hasattr(coordinator, "eagle_group_ids"):
+        coordinator.eagle_group_ids = set(range(len(coordinator.single_type_managers)))
+
+
+def test_an_eagle_prefix_hit_on_a_mamba_hybrid():
+    """EAGLE/MTP with prefix caching on a full-attention + Mamba hybrid
+    (no connector): the attention group drops its last hit block for the
+    drafter. 0.20.0-0.25.1 give the Mamba group one block more than the
+    attention hit, and the hit length follows the Mamba group: the request
+    skips the dropped block's tokens, whose attention KV is never computed
+    (vllm#43559's accuracy drop). 0.19.x have no such margin; from 0.26.0
+    the Mamba group gets none."""
+    from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+
+    margin = source_has(
+        HybridKVCacheCoordinator.find_longest_cache_hit,
+        "curr_hit_length + spec.block_size",
+    )
+    e = mamba_engine("align", offload=False)
+    enable_eagle(e)
+    prompt = list(range(100, 164))
+    e.add_request(prompt, max_tokens=3)
+    e.run()
+    e.add_request(prompt + EXTENSION, max_tokens=2)
+    e.run()
+    if margin:
+        missing = {(v.group, v.index, v.got) for v in e.runner.violations}
+        assert (0, 3, ("zeroed",)) in missing
+    else:
+        assert e.runner.violations == []
