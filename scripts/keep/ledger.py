@@ -321,6 +321,10 @@ def render(bugs: list[Bug], series: SeriesView | None = None) -> str:
         "(fixed upstream, fixed by the fork, open); `make matrix` adds the same "
         "for the releases it measures.",
         "",
+        "How upstream's record is searched for these bugs, and the reports "
+        "examined and left out, with the date of the last scan: "
+        "[ledger-scan.md](ledger-scan.md).",
+        "",
         "| bug | upstream issue | upstream fix | affected | verdict |",
         "| --- | --- | --- | --- | --- |",
     ]
