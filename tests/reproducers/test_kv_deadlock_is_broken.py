@@ -485,3 +485,26 @@ def test_a_preempted_session_reloaded_from_the_cpu_does_not_deadlock():
     e.run(max_steps=50)
     assert e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_the_freed_request_keeps_its_place_ahead_of_newer_requests():
+    """Under FCFS the freed request goes back ahead of the requests that
+    hold no blocks, as a preempted one does. 0.33.0's first form queued it
+    behind every newer request: stripped of its KV, it waited for all of
+    them (found in review)."""
+    e, a, b = sessions_holding_most_blocks("fcfs")
+    # Arrives after B and needs 7 blocks: it waits, holding none.
+    c = e.add_request([900 + t for t in range(100)], 1, "C")
+    e.add_request([500 + t for t in range(60)], 2, a, resumable=True)
+    e.add_request([700 + t for t in range(60)], 2, b, resumable=True)
+    for _ in range(3):
+        if b in (e.step().preempted_req_ids or ()):
+            break
+    else:
+        pytest.fail("B was not freed")
+    # The queues a waiting request holding no blocks can be in, in the
+    # order the scan takes them (skipped_waiting up to 0.30.0).
+    queues = [getattr(e.scheduler, "skipped_waiting", ()), e.scheduler.waiting]
+    queued = [r.request_id for queue in queues for r in queue]
+    assert b in queued and c in queued, queued
+    assert queued.index(b) < queued.index(c), queued
