@@ -103,8 +103,8 @@ canary: ## the newest series on upstream main: applies / redundant / conflicts p
 	$(PYTHON) scripts/keep/canary.py $(if $(UPSTREAM),--upstream $(UPSTREAM)) $(if $(REF),--ref $(REF)) \
 		$(if $(filter command line environment,$(origin SERIES)),--series $(SERIES)) $(ARGS)
 
-bench: ## allocator speed: unpatched base against the series, side by side
-	$(PYTHON) scripts/prove/bench.py --series $(SERIES)
+bench: ## speed, base against series: allocator, scheduler at scale on 0.20.2 and 0.33.0 (ARGS="--part server": vllm serve; --only, --sizes, --rounds)
+	$(PYTHON) scripts/prove/bench.py $(if $(filter command line environment,$(origin SERIES)),--series $(SERIES)) $(ARGS)
 
 e2e: apply ## the real vllm serve on a CPU, base against series, via the openai client (.work/e2e/)
 	$(PYTHON) scripts/prove/e2e.py $(if $(VERSION_ASKED),--release $(VERSION)) $(ARGS)

@@ -1,16 +1,29 @@
-"""Allocator micro-benchmarks, run by scripts/prove/bench.py inside one vLLM tree.
+"""Benchmarks run by scripts/prove/bench.py inside one vLLM tree.
 
 Not for direct use: bench.py starts one worker per tree (base and series,
-each with its tree on PYTHONPATH) and sends benchmark names on stdin, one a
-line; the worker answers each with a line "BENCH " + JSON {"name",
-"seconds"} (other lines on stdout, such as vLLM's log, are not answers). The
-workers stay up, so the two trees are measured in alternation. Times are the
-worker's CPU time (time.process_time), so other load on a shared machine
-does not count while the worker waits for a core.
+each with its tree and the project's tests/ on PYTHONPATH) and sends
+commands on stdin, one a line; the worker answers each with a line
+"BENCH " + JSON (other lines on stdout, such as vLLM's log, are not
+answers). The workers stay up, so the two trees are measured in
+alternation. Times are the worker's CPU time (time.process_time), so other
+load on a shared machine does not count while the worker waits for a core.
+
+  NAME                          an allocator micro-benchmark (BENCHMARKS):
+                                {"name", "seconds"}
+  scale prepare ROW SIZE SEED   the scheduler at scale (tests/harness/scale.py):
+                                build ROW's engine for bursts of SIZE
+                                requests, not timed: {"set_up_seconds"}
+  scale run WINDOW DRAIN LIMIT BURSTS
+                                BURSTS bursts through that engine: the
+                                scheduler's CPU per step for WINDOW steps of
+                                each, and to drain if DRAIN is 1, within
+                                LIMIT CPU seconds (harness.scale.Bench.run)
+  list                          {"allocator": names, "scheduler": {row: what}}
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import sys
@@ -21,7 +34,6 @@ import torch
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -30,6 +42,10 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
+
+# The harness's spelling of each release's KVCacheManager (tests/ is on
+# PYTHONPATH: bench.py puts it there).
+from harness.kv_manager import computed_blocks, make_kv_cache_manager
 
 ANSWER = "BENCH "
 BLOCK_SIZE = 16
@@ -82,12 +98,11 @@ def scheduler_path(hybrid: bool) -> Callable[[], float]:
     prefix lookup, a prefill chunk, single-token steps, then free."""
 
     def run() -> float:
-        manager = KVCacheManager(
+        manager = make_kv_cache_manager(
             kv_config(hybrid),
             max_model_len=8192,
-            hash_block_size=BLOCK_SIZE,
-            max_num_batched_tokens=CHUNK,
-            enable_caching=True,
+            block_size=BLOCK_SIZE,
+            max_tokens_per_step=CHUNK,
         )
         prefix = list(range(SHARED_PREFIX))
         requests = [
@@ -103,7 +118,7 @@ def scheduler_path(hybrid: bool) -> Callable[[], float]:
         allocate = manager.allocate_slots
         start = time.process_time()
         for req in requests:
-            hits, num_hit = manager.get_computed_blocks(req)
+            hits, num_hit = computed_blocks(manager, req)
             chunk = min(CHUNK, req.num_tokens - num_hit)
             assert allocate(req, chunk, num_hit, hits) is not None
             req.num_computed_tokens = num_hit + chunk
@@ -125,11 +140,52 @@ BENCHMARKS: dict[str, Callable[[], float]] = {
 }
 
 
+class Scale:
+    """The scheduler-at-scale commands: what `prepare` built waits for the
+    next `run`, so that bench.py can set up both trees' engines at once and
+    time them one after the other."""
+
+    def __init__(self) -> None:
+        # Imported on first use: the allocator benchmarks need no engine.
+        from harness import scale
+
+        self.scale = scale
+        self.bench = None
+
+    def rows(self) -> dict[str, str]:
+        return {name: row.what for name, row in self.scale.ROWS.items()}
+
+    def command(self, words: list[str]) -> dict:
+        if words[0] == "prepare":
+            row, size, seed = words[1], int(words[2]), int(words[3])
+            self.bench = None  # the last round's, before building the next
+            start = time.perf_counter()
+            self.bench = self.scale.Bench(row, size, seed)
+            return {"set_up_seconds": time.perf_counter() - start}
+        if words[0] == "run" and self.bench is not None:
+            window, drain, limit = int(words[1]), words[2] == "1", float(words[3])
+            bench, self.bench = self.bench, None
+            return bench.run(window, drain, limit, int(words[4]))
+        raise ValueError(f"unknown scale command {words}")
+
+
 def main() -> None:
-    if sys.argv[1:] == ["--list"]:
-        print(ANSWER + json.dumps(list(BENCHMARKS)), flush=True)
-        return
+    # Nothing to choose: --help says how bench.py drives it.
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
+    scale: Scale | None = None
     for line in sys.stdin:
+        words = line.split()
+        if words == ["list"]:
+            scale = scale or Scale()
+            listing = {"allocator": list(BENCHMARKS), "scheduler": scale.rows()}
+            print(ANSWER + json.dumps(listing), flush=True)
+            continue
+        if words[:1] == ["scale"]:
+            scale = scale or Scale()
+            print(ANSWER + json.dumps(scale.command(words[1:])), flush=True)
+            continue
         name = line.strip()
         gc.collect()
         gc.disable()

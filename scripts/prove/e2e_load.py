@@ -13,7 +13,9 @@ Workloads:
            computed, then, after the GPU prefix cache is reset, prompts
            that extend them: every full block must come back from the CPU;
   load     a mix: bounded concurrency, streaming and not, streams the
-           client closes mid-way, shared prefixes, deterministic (seeded).
+           client closes mid-way, shared prefixes, deterministic (seeded);
+  bench    make bench's: a fixed concurrency of plain requests sharing
+           prefixes, each one's latency in "latencies" (seconds).
 """
 
 from __future__ import annotations
@@ -204,7 +206,33 @@ async def load(client: openai.AsyncOpenAI, url: str, args, out: dict) -> None:
     await asyncio.gather(*(gated(j) for j in jobs))
 
 
-WORKLOADS = {"seed000": seed000, "seed002": seed002, "load": load}
+async def bench(client: openai.AsyncOpenAI, url: str, args, out: dict) -> None:
+    rng = random.Random(0)
+    # More prefixes than a small pool keeps: with CPU offload some come back
+    # from the CPU.
+    prefixes = [[rng.randrange(3, 1000) for _ in range(64)] for _ in range(32)]
+    jobs = [
+        Job(
+            rng.choice(prefixes)
+            + [rng.randrange(3, 1000) for _ in range(rng.randrange(16, 97))],
+            16,
+        )
+        for _ in range(args.requests)
+    ]
+    out["planned"] = len(jobs)
+    out["latencies"] = []
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def timed(job: Job) -> None:
+        async with gate:
+            start = time.monotonic()
+            if await run_job(client, job, out) == "ok":
+                out["latencies"].append(time.monotonic() - start)
+
+    await asyncio.gather(*(timed(j) for j in jobs))
+
+
+WORKLOADS = {"seed000": seed000, "seed002": seed002, "load": load, "bench": bench}
 
 
 async def main_async(args) -> dict:

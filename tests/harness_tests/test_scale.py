@@ -1,0 +1,46 @@
+"""make bench's scheduler-at-scale rows (harness.scale): they run, drain and
+decide as the harness's own runner would. Nothing here looks at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.engine import FakeModelRunner
+from harness.scale import ROWS, Bench
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_every_row_drains_its_bursts(row):
+    result = Bench(row, 16).run(window=40, drain=True, limit=120, bursts=2)
+    assert result["finished"] == 32
+    assert not result["over_limit"]
+    assert result["steps"] > 0 and result["scheduled_tokens"] > 0
+    # Every step of a burst this small is in its window.
+    assert len(result["step_seconds"]) == 2 * result["steps"]
+
+
+@pytest.mark.parametrize("row", ["offload-tight", "offload-async"])
+def test_the_light_runner_makes_the_decisions_of_the_fake_runner(row):
+    """The benchmark's runner skips the content tags, nothing else: the
+    scheduler steps, schedules and preempts as under the harness's runner."""
+    light = Bench(row, 48).run(window=40, drain=True, limit=120)
+    checked = Bench(row, 48)
+    e = checked.e
+    e.runner = FakeModelRunner(e.cfg, e.kv, e.requests, e.cuda.forward)
+    full = checked.run(window=40, drain=True, limit=120)
+    keys = ("steps", "finished", "preemptions", "scheduled_tokens", "loads")
+    assert {k: light[k] for k in keys} == {k: full[k] for k in keys}
+    assert light["preemptions"] > 0 and light["loads"] > 0
+
+
+def test_the_offload_rows_load_from_the_cpu():
+    result = Bench("offload-burst", 32).run(window=40, drain=True, limit=120)
+    assert result["loads"] > 0
+
+
+def test_a_round_past_its_cpu_limit_is_cut_and_says_so():
+    # The limit is checked every CpuLimit.POLL_SECONDS: a drain of 1,024
+    # requests takes longer than that.
+    result = Bench("plain", 1024).run(window=1000, drain=True, limit=0.001)
+    assert result["over_limit"] and result["window_cut"]
+    assert result["finished"] < 1024

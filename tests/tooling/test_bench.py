@@ -1,0 +1,141 @@
+"""make bench's arithmetic (scripts/prove/bench_report.py, bench.py): the
+exponent fit, the ratios and their bounds, the tables and their flags. No
+timing is measured here; the harness side is tested in
+tests/harness_tests/test_scale.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lib.errors import ForkError
+from prove.bench import alternate, sizes
+from prove.bench_report import (
+    Cell,
+    Ratio,
+    Round,
+    ServeRun,
+    exponent,
+    fit_exponent,
+    percentile,
+    ratio_of,
+    scale_table,
+    serve_table,
+)
+
+
+def answer(per_step: list[float], drain=None, window=40, cut=False, over=None):
+    return {
+        "step_seconds": per_step,
+        "window": window,
+        "drain_seconds": drain,
+        "window_cut": cut,
+        "over_limit": cut if over is None else over,
+        "steps": len(per_step),
+    }
+
+
+def cell(row: str, size: int, base: float, series: float, rounds: int = 3) -> Cell:
+    c = Cell(row, size)
+    c.base = [Round(base, base * 10, steps=10) for _ in range(rounds)]
+    c.series = [Round(series, series * 10, steps=10) for _ in range(rounds)]
+    return c
+
+
+@pytest.mark.parametrize("k", [0.0, 1.0, 2.0, 0.5])
+def test_the_exponent_of_a_power_law_is_its_power(k):
+    points = [(n, 3e-3 * n**k) for n in (512, 4096, 10_000)]
+    assert fit_exponent(points) == pytest.approx(k, abs=1e-9)
+
+
+def test_the_fit_keeps_only_the_sizes_from_512_to_10000():
+    # 64 is off the line and left out; so would be 20,000.
+    points = [(64, 1.0), (512, 512.0), (4096, 4096.0), (20_000, 1.0)]
+    assert fit_exponent(points) == pytest.approx(1.0)
+
+
+def test_no_exponent_from_one_size_or_a_time_of_zero():
+    assert fit_exponent([(512, 1.0), (64, 2.0)]) is None
+    assert fit_exponent([(512, 1.0), (4096, 0.0)]) is None
+
+
+def test_a_cut_round_gives_a_lower_bound_over_the_whole_window():
+    # Cut in the third of 40 steps: at least 3 s over 40 steps.
+    r = Round.from_worker(answer([1.0, 1.0, 1.0], window=40, cut=True))
+    assert r.step_seconds == pytest.approx(3.0 / 40)
+    assert r.window_cut and r.drain_cut
+    # A burst drained in fewer steps than the window: its own mean.
+    r = Round.from_worker(answer([1.0, 3.0], drain=4.0, window=40))
+    assert r.step_seconds == 2.0 and not r.window_cut
+
+
+def test_the_ratio_is_the_median_of_the_rounds_series_over_base():
+    r = ratio_of([(1.0, False), (2.0, False), (1.0, False)], [(1.1, False)] * 3)
+    assert r == Ratio(pytest.approx(1.1), "")
+    assert ratio_of([(1.0, False)], [(2.0, True)]).bound == ">"
+    assert ratio_of([(1.0, True)], [(2.0, False)]).bound == "<"
+    assert ratio_of([(1.0, True)], [(2.0, True)]).show() == "?"
+
+
+def test_only_a_ratio_that_is_at_least_past_the_target_is_flagged():
+    assert Ratio(1.06).flagged() and Ratio(1.06, ">").flagged()
+    assert not Ratio(1.05).flagged()
+    # At most 1.2: it may be under the target.
+    assert not Ratio(1.2, "<").flagged()
+    assert not Ratio(math.nan, "?").flagged()
+
+
+def test_the_scale_table_flags_the_cells_past_the_target():
+    cells = [
+        cell("plain", 512, 1e-3, 1e-3),
+        cell("plain", 4096, 1e-3, 1.2e-3),
+        cell("plain", 10_000, 1e-3, 1e-3),
+        cell("burst", 512, 1e-3, 1e-3),
+    ]
+    cells[2].base = [Round(1e-3, None)] * 3
+    cells[2].series = [Round(1e-3, None)] * 3
+    lines = scale_table("v0.20.2", cells, {"plain": "p", "burst": "b"}, 3)
+    text = "\n".join(lines)
+    plain_4096 = next(x for x in lines if x.startswith("| plain | 4,096 |"))
+    assert plain_4096.count("1.20 **!**") == 2  # per step and in total
+    assert "| plain | 10,000 | 1.00 | 1.00 | 1.00 | - | - |" in lines
+    assert "plain at 4,096 (step, total)" in text
+    slope = fit_exponent([(512, 1.0), (4096, 1.2), (10_000, 1.0)])
+    assert f"| plain | p | 0.00 | {slope:.2f} |" in lines  # the exponents
+    assert "| burst | b | - | - |" in lines  # one size: no fit
+
+
+def test_a_cut_cell_shows_bounds_and_its_exponent_too():
+    cells = [cell("o", 512, 1e-3, 1e-3), cell("o", 10_000, 1e-3, 1e-3)]
+    cells[1].series = [Round(0.5, 20.0, window_cut=True, drain_cut=True)]
+    cells[1].base = [Round(2e-2, None)]
+    assert cells[1].step_ms("series").show() == ">500.00"
+    assert cells[1].step_ratio().show() == ">25.00"
+    assert exponent(cells, "series").startswith(">")
+    assert exponent(cells, "base") == f"{fit_exponent([(512, 1), (10_000, 20)]):.2f}"
+
+
+def test_the_serve_table_flags_a_slower_series():
+    fast = [ServeRun(100, 1.0, [0.1] * 100)] * 2
+    slow = [ServeRun(90, 1.0, [0.2] * 90, errors=10)] * 2
+    lines = serve_table("v0.33.0", {"plain": {"base": fast, "series": slow}})
+    row = next(x for x in lines if x.startswith("| plain |"))
+    assert row == "| plain | 100.0 | 90.0 | 0.90 **!** | 100/100 | 200/200 | 0/20 |"
+    assert "below 0.98: plain" in "\n".join(lines)
+
+
+def test_percentiles_interpolate_between_ranks():
+    values = [float(x) for x in range(1, 101)]
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile([3.0], 99) == 3.0
+
+
+def test_sizes_and_the_order_of_the_trees():
+    assert sizes("4096,64,10_000,64") == [64, 4096, 10_000]
+    with pytest.raises(ForkError):
+        sizes("64,many")
+    with pytest.raises(ForkError):
+        sizes("0")
+    assert alternate(0) == ("base", "series") and alternate(1) == ("series", "base")
