@@ -23,8 +23,8 @@ does and measures both trees in one run, in two parts, and a third on request:
              and p50/p99 latency, with and without the offload connector
              (target: series/base requests/s at least 0.98). Four servers
              start per release and their figures are wall time on a shared
-             machine: about 3 minutes a release here, which the 20 minutes
-             of the default run cannot hold.
+             machine: 5.5 minutes a release here (the machine shared), which
+             the 20 minutes of the default run cannot hold.
 
 One benchmark worker per tree (scripts/prove/bench_worker.py, its tree and
 tests/ on PYTHONPATH) stays up for the allocator and scheduler parts; in
