@@ -30,6 +30,19 @@ FIRST = {**UPSTREAM_FILES, **{p: f"old = {i}\n" for i, p in enumerate(GONE)}}
 SECOND = {**UPSTREAM_FILES, "setup.py": "print('setup 2')\n", "vllm/added.py": "a\n"}
 
 
+@pytest.fixture(autouse=True)
+def sigint_delivered():
+    """A job that a non-interactive shell starts in the background (a CI
+    runner may start `make test` so) ignores SIGINT, and so does every
+    process it starts: the interrupts these tests send would be lost and
+    nothing interrupted. With Python's handler set here, the git and make
+    processes the tests start get SIGINT's default action again."""
+    old = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.fixture
 def two(upstream: Upstream) -> tuple[Upstream, Series]:
     """A series of three patches on 9.9.9, and the same patches on 9.9.10."""
