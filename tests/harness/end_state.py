@@ -20,13 +20,19 @@ from harness.invariants import MAMBA_ALIGN_STATE, manager_violations
 # Scheduler fields that name requests finished in the last step on purpose:
 # the next schedule() hands them to the worker and clears them.
 OUTBOX = {"finished_req_ids", "finished_req_ids_dict", "prev_step_scheduled_req_ids"}
+# Scheduler state kept in classes of its own that iterate over requests:
+# the priority queue (a heap inside) and the series' in-flight prefills.
+ITERABLE_STATE = {"PriorityRequestQueue", "InflightPrefills"}
 
 
 def _names(container: Any) -> set[str]:
     """The request ids a container holds, as keys, elements or Requests."""
     if isinstance(container, dict):
         items = list(container.keys())
-    elif isinstance(container, (set, frozenset, list, tuple, deque)):
+    elif (
+        isinstance(container, (set, frozenset, list, tuple, deque))
+        or type(container).__name__ in ITERABLE_STATE
+    ):
         items = list(container)
     else:
         return set()
