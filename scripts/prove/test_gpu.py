@@ -150,17 +150,21 @@ def stale_scripts(manifest: dict[str, Any], scripts_root: Path = ROOT) -> list[s
     )
 
 
-def ensure_bundle(bundle: Path, releases: list[str] | None) -> None:
+def ensure_bundle(
+    bundle: Path, releases: list[str] | None, python: Path | None = None
+) -> None:
     """Write the bundle where there is none, from a checkout of the fork."""
     if (bundle / "manifest.json").is_file():
         return
     if IN_BUNDLE:
         raise ForkError(f"no bundle in {bundle}: pass --dir with the bundle folder")
     say(f"no GPU bundle in {rel(bundle)}/: writing it")
-    write_bundle(bundle, releases)
+    write_bundle(bundle, releases, python)
 
 
-def write_bundle(bundle: Path, releases: list[str] | None) -> None:
+def write_bundle(
+    bundle: Path, releases: list[str] | None, python: Path | None = None
+) -> None:
     if IN_BUNDLE:
         raise ForkError("a bundle cannot write a bundle: run --bundle in the fork")
     from prove import gpu_bundle
@@ -168,7 +172,7 @@ def write_bundle(bundle: Path, releases: list[str] | None) -> None:
     step(f"GPU bundle: {', '.join(releases or gpu_bundle.DEFAULT_RELEASES)}")
     with gpu_bundle.built_trees(list(releases or gpu_bundle.DEFAULT_RELEASES)) as src:
         manifest = gpu_bundle.build(bundle, src)
-    check_imports(bundle, manifest)
+    check_imports(bundle, manifest, python or default_python())
     size = gpu_bundle.size_of(bundle)
     names = ", ".join(t["name"] for t in manifest["trees"])
     say(
@@ -179,11 +183,10 @@ def write_bundle(bundle: Path, releases: list[str] | None) -> None:
     )
 
 
-def check_imports(bundle: Path, manifest: dict[str, Any]) -> None:
+def check_imports(bundle: Path, manifest: dict[str, Any], python: Path) -> None:
     """Import each bundled tree's offload code over the stand-ins and build
     its worker, here, with a local torch: a tree that imports something the
     stand-ins lack fails now rather than on the GPU machine."""
-    python = default_python()
     if probe(python).get("torch") is None:
         say(f"not checked: no torch in {python} to import the trees with")
         return
@@ -274,7 +277,7 @@ def run(args: Any) -> int:
             "calls the driver through: pip install cuda-bindings"
         )
     bundle = (args.dir or DEFAULT_DIR).resolve()
-    ensure_bundle(bundle, args.releases)
+    ensure_bundle(bundle, args.releases, python)
     manifest = load_manifest(bundle)
     stale = [] if IN_BUNDLE else stale_scripts(manifest)
     if stale:
@@ -389,7 +392,7 @@ def main() -> int:
     if not 1 <= args.timing_blocks <= NUM_BLOCKS:
         raise ForkError(f"--timing-blocks must be between 1 and {NUM_BLOCKS}")
     if args.bundle:
-        write_bundle((args.dir or DEFAULT_DIR).resolve(), args.releases)
+        write_bundle((args.dir or DEFAULT_DIR).resolve(), args.releases, args.python)
         return 0
     return run(args)
 
