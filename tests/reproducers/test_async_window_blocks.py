@@ -145,3 +145,35 @@ def test_window_blocks_are_still_dropped_once_their_step_is_processed():
     assert max(held) <= 12, f"the window group held {max(held)} blocks"
     assert held[-1] <= 4, f"the window group held {held[-1]} blocks at the end"
     assert e.runner.violations == []
+
+
+def test_mamba_align_state_blocks_are_dropped_once_their_step_is_processed():
+    """The drop by processed tokens covers the Mamba group too. In align
+    mode it keeps one state block per step and frees the one of two steps
+    back; with a step in flight that block is only old enough a step later,
+    when allocate_slots has already recorded the next one. It must still
+    be freed then, not held until the request ends: a 640-token prompt in
+    64-token chunks held 11 state blocks at its peak before this was
+    counted. A step in flight reads the state of the one before it and
+    writes its own, and the next step's block is allocated: three."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=160,
+            num_cpu_blocks=256,
+            mamba="align",
+            max_num_batched_tokens=64,
+            async_scheduling=True,
+        )
+    )
+    assert e.scheduler.defer_block_free
+    r = e.add_request(list(range(7000, 7640)), max_tokens=24)
+    held: list[int] = []
+    while e.busy():
+        e.step()
+        if r in e.scheduler.requests:
+            state_ids = e.scheduler.kv_cache_manager.get_block_ids(r)[-1]
+            held.append(sum(b != 0 for b in state_ids))
+    assert r in e.stats.finished
+    assert max(held) <= 3, f"the Mamba group held {max(held)} blocks at its peak"
+    assert e.runner.violations == [] and e.cuda.races == []
