@@ -67,6 +67,8 @@ def end_state_violations(engine: Any) -> list[str]:
             value = getattr(manager, name, None)
             if name != "cached_blocks_this_step" and isinstance(value, dict) and value:
                 out.append(f"group {g}: {name} still holds {sorted(value)[:3]}")
+        # Any other per-request map a manager keeps (one a patch adds too).
+        out += leftover_request_state(manager, set(engine.requests), f"group {g}")
     finished = set(engine.requests)
     out += leftover_request_state(scheduler, finished, "scheduler")
     offload = engine.offload

@@ -169,11 +169,37 @@ def test_mamba_align_state_blocks_are_dropped_once_their_step_is_processed():
     assert e.scheduler.defer_block_free
     r = e.add_request(list(range(7000, 7640)), max_tokens=24)
     held: list[int] = []
-    while e.busy():
-        e.step()
+
+    def count_state_blocks(e: Engine) -> None:
         if r in e.scheduler.requests:
             state_ids = e.scheduler.kv_cache_manager.get_block_ids(r)[-1]
             held.append(sum(b != 0 for b in state_ids))
+
+    e.run(after_step=count_state_blocks)  # which checks nothing is left behind
     assert r in e.stats.finished
     assert max(held) <= 3, f"the Mamba group held {max(held)} blocks at its peak"
+    assert e.runner.violations == [] and e.cuda.races == []
+
+
+def test_a_mamba_align_prefill_cut_short_leaves_nothing_to_free_later():
+    """The state blocks kept to be freed later belong to the request's
+    blocks of now: a request aborted in the middle of its prefill (or
+    preempted, to allocate again from its first block) must take them
+    along, or they name blocks of another allocation. Engine.run() checks
+    that no per-request state is left once every request is done."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=160,
+            num_cpu_blocks=256,
+            mamba="align",
+            max_num_batched_tokens=64,
+            async_scheduling=True,
+        )
+    )
+    r = e.add_request(list(range(7000, 7640)), max_tokens=24)
+    for _ in range(4):
+        e.step()
+    e.abort(r)
+    e.run()
     assert e.runner.violations == [] and e.cuda.races == []
