@@ -27,6 +27,7 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep import interrupted
+from keep.build_digests import DIGESTS_FILE, write_digests
 from keep.fetch import ensure_base
 from keep.tree_release import (
     DIR_TRAILER,
@@ -347,11 +348,14 @@ def lay_overlay(tree: Path, series: Series, fingerprint: str, date: str) -> None
         shutil.copy2(series.overlay / f, dest)
     if files:
         git(tree, "add", "-f", "--", *map(str, files))
+    # The digests `python -m vllm._fork` checks the files against.
+    write_digests(tree, series, series_variable(series))
     # What the tree was built from, for the commands that follow (make
     # install, refresh, wheel... default to it: keep/tree_release.py).
     message = (
         f"{OVERLAY_SUBJECT} ({len(files)} files)\n\n"
-        "Files the fork owns outright, laid over the patched tree.\n\n"
+        "Files the fork owns outright, laid over the patched tree, and the\n"
+        f"digests of the files the series changes ({DIGESTS_FILE}).\n\n"
         f"{RELEASE_TRAILER}: {series.base().version}\n"
         f"{DIR_TRAILER}: {rel(series.dir)}\n"
         f"{FINGERPRINT_TRAILER}: {fingerprint}\n"
