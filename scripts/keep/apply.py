@@ -29,6 +29,7 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 from keep import interrupted
 from keep.build_digests import DIGESTS_FILE, write_digests
 from keep.fetch import ensure_base
+from keep.fix_ids import apply_labels, progress_label
 from keep.tree_release import (
     DIR_TRAILER,
     FINGERPRINT_TRAILER,
@@ -486,8 +487,9 @@ def build(tree: Path, series: Series, cache: Path, source: str | None) -> None:
     git(tree, "checkout", "-q", "-B", base.branch, base.tag)
     if patches:
         mark(tree, series, base, "git am")
+        labels = apply_labels()  # the README's name of each fix, when not its number
         for i, p in enumerate(patches, 1):
-            say(f"    [{i}/{len(patches)}] {p.name}")
+            say(f"    [{i}/{len(patches)}] {p.name}{progress_label(p, labels)}")
         done = git_am(tree, [p.path for p in patches])
         if done.returncode < 0:  # killed by a signal: an interrupt, not a conflict
             raise KeyboardInterrupt
