@@ -14,7 +14,9 @@ thrown away blindly (the user may have edited since). `take_back` checks
 every changed path against what the tool could have written there: the
 file as one of the commits involved has it (the old HEAD, the base, the
 patch commits made so far), as a patch of the series leaves it (the blob
-ids of `--full-index` patches) or as the overlay has it. Only when every
+ids of `--full-index` patches) or as the overlay has it (the build
+digests the overlay step writes, vllm/_fork_digests.json, are the tool's
+own whatever they hold: keep/build_digests.py). Only when every
 change is accounted for is the tree reset; anything else is refused, named,
 and left in place.
 """
