@@ -19,7 +19,7 @@ from pathlib import Path
 
 from keep.tree_release import tree_holds
 from lib.errors import ForkError
-from lib.paths import DEFAULT_TREE, ROOT, rel
+from lib.paths import CACHE, DEFAULT_TREE, ROOT, rel
 from lib.proc import git, git_ok
 from lib.series import Series
 
@@ -93,12 +93,24 @@ def check_onto(
     `builds`: export builds `tree` from the series (which fetches the
     release it is based on into it)."""
     offline = offline_command(series)
+    version = series.base().version
+    has_tree = (tree / ".git").exists()
+    if not builds and not has_tree:
+        raise ForkError(
+            f"{rel(tree)}/ is not a git checkout: export makes its branches "
+            f"there. Run `make apply VERSION={version}` first (or give --tree)."
+        )
     if upstream is None:
-        has_tree = (tree / ".git").exists()
         if has_tree and git_ok(tree, "rev-parse", "-q", "--verify", onto):
             return
         if builds and onto == series.base().tag:
             return
+        if onto == series.base().tag:  # the release, not fetched into this tree
+            raise ForkError(
+                f"{rel(tree)}/ has no {onto}: `make apply VERSION={version}` "
+                f"fetches it (offline, from {rel(CACHE)}/ once downloaded), then "
+                f"run `{offline}` again."
+            )
         source = GITHUB
     elif is_url(upstream):
         source = upstream

@@ -105,3 +105,15 @@ def test_an_unknown_patch_is_refused_with_the_series_patches():
     with pytest.raises(ForkError, match="no patch in .* starts with 9999"):
         check_patches(NEWEST, ["9999"])
     check_patches(NEWEST, ["0001"])
+
+
+def test_the_default_series_tree_must_be_there_and_hold_the_release(tmp_path):
+    default = find_series()[0]
+    tag = default.base().tag
+    tree = tmp_path / "vllm"
+    with pytest.raises(ForkError, match="is not a git checkout.*make apply VERSION="):
+        check_onto(default, tree, tag, None, builds=False)
+    tree.mkdir()
+    git(tree, "init", "-q")
+    with pytest.raises(ForkError, match=f"has no {tag}: `make apply VERSION="):
+        check_onto(default, tree, tag, None, builds=False)
