@@ -64,7 +64,7 @@ overlay: ## container build context over upstream's image, into dist/
 image: venv ## build make overlay's context with podman on a local stand-in for upstream's image; reproducers run inside (VERSION=<release>)
 	$(PYTHON) scripts/ship/image.py $(PICK) $(ARGS)
 
-export: venv ## the newest series as upstream PRs: branch, .patch, PR text, vLLM's checks (ARGS=--onto/--upstream; VERSION= another series)
+export: ## the newest series as upstream PRs: branch, .patch, PR text, vLLM's checks (ARGS=--onto/--upstream; VERSION= another series)
 	$(PYTHON) scripts/ship/export.py $(if $(VERSION_ASKED),--version $(VERSION)) $(ARGS)
 
 import: ## add an upstream fix as the next patch (ARGS="--repo CLONE RANGE" or ARGS=FILE)

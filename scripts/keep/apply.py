@@ -27,7 +27,9 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep import interrupted
+from keep.build_digests import DIGESTS_FILE, write_digests
 from keep.fetch import ensure_base
+from keep.fix_ids import apply_labels, progress_label
 from keep.tree_release import (
     DIR_TRAILER,
     FINGERPRINT_TRAILER,
@@ -347,11 +349,14 @@ def lay_overlay(tree: Path, series: Series, fingerprint: str, date: str) -> None
         shutil.copy2(series.overlay / f, dest)
     if files:
         git(tree, "add", "-f", "--", *map(str, files))
+    # The digests `python -m vllm._fork` checks the files against.
+    write_digests(tree, series, series_variable(series))
     # What the tree was built from, for the commands that follow (make
     # install, refresh, wheel... default to it: keep/tree_release.py).
     message = (
         f"{OVERLAY_SUBJECT} ({len(files)} files)\n\n"
-        "Files the fork owns outright, laid over the patched tree.\n\n"
+        "Files the fork owns outright, laid over the patched tree, and the\n"
+        f"digests of the files the series changes ({DIGESTS_FILE}).\n\n"
         f"{RELEASE_TRAILER}: {series.base().version}\n"
         f"{DIR_TRAILER}: {rel(series.dir)}\n"
         f"{FINGERPRINT_TRAILER}: {fingerprint}\n"
@@ -482,8 +487,9 @@ def build(tree: Path, series: Series, cache: Path, source: str | None) -> None:
     git(tree, "checkout", "-q", "-B", base.branch, base.tag)
     if patches:
         mark(tree, series, base, "git am")
+        labels = apply_labels()  # the README's name of each fix, when not its number
         for i, p in enumerate(patches, 1):
-            say(f"    [{i}/{len(patches)}] {p.name}")
+            say(f"    [{i}/{len(patches)}] {p.name}{progress_label(p, labels)}")
         done = git_am(tree, [p.path for p in patches])
         if done.returncode < 0:  # killed by a signal: an interrupt, not a conflict
             raise KeyboardInterrupt

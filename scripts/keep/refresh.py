@@ -25,6 +25,7 @@ from keep.apply import (
     make_hint,
     series_of_ref,
 )
+from keep.build_digests import DIGESTS_FILE
 from lib.cli import main_guard, parser, say
 from lib.errors import ForkError
 from lib.paths import DEFAULT_TREE, rel
@@ -79,7 +80,8 @@ def series_commits(tree: Path, series: Series) -> list[str]:
             f"{rel(series.base_file)}.{other} To write {rel(series.dir)}/ "
             f"instead, {instead}."
         )
-    overlay = {str(f) for f in series.overlay_files()}
+    # The overlay's files and the digests make apply writes beside them.
+    overlay = {str(f) for f in series.overlay_files()} | {DIGESTS_FILE}
     commits = []
     for rev in git(tree, "rev-list", "--reverse", f"{base.tag}..HEAD").split():
         files = set(

@@ -14,7 +14,9 @@ installed vllm package over it, compiling nothing:
   fork/files/vllm/...    the patched files
 
 The image build ends with `python3 -m vllm._fork`, which fails the build
-unless the patched modules are the ones Python imports. Build it with:
+unless every file the series changes matches the digests `make apply`
+recorded (vllm/_fork_digests.json, shipped with the files) and the patched
+modules are the ones Python imports. Build it with:
 
   docker build -t vllm-fork:<version>-<label> dist/container-v<version>
 

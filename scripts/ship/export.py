@@ -52,15 +52,20 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from keep.apply import apply_series
 from keep.refresh import format_patches
-from keep.tree_release import tree_holds
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
 from lib.paths import DEFAULT_SERIES, DEFAULT_TREE, DIST, WORK, fresh_output_dir, rel
 from lib.proc import git, git_ok, run
 from lib.series import Patch, Series, find_series, series_for_version
-from lib.venv import TEST_REQS, VENV, pip_install, release_venv
+from lib.venv import TEST_REQS, VENV, ensure_venv, pip_install, release_venv
 from ship import export_checks
 from ship.export_pr import and_list, e2e_figures, pr_description
+from ship.export_preflight import (
+    check_identity,
+    check_onto,
+    check_patches,
+    why_this_series,
+)
 from ship.export_stack import Exported, apply_one, stack_on_backports, stack_on_exported
 
 # This module is the CLI and the loop over the series (`export_series`):
@@ -84,16 +89,7 @@ def stacked_line(result: Exported) -> str:
 
 def signoff_identity(tree: Path) -> str:
     """`Name <email>` of whoever runs export, from git's configuration."""
-    name = git(tree, "config", "user.name", check=False)
-    email = git(tree, "config", "user.email", check=False)
-    if not name or not email:
-        raise ForkError(
-            "export adds a Signed-off-by line (vLLM requires the DCO) with your "
-            "git identity, and git has no user.name or user.email. Set them:\n"
-            '  git config --global user.name "Your Name"\n'
-            "  git config --global user.email you@example.com"
-        )
-    return f"{name} <{email}>"
+    return check_identity(tree)
 
 
 def ensure_ruff() -> None:
@@ -310,23 +306,6 @@ def export_series(
     return results
 
 
-def say_why_newest(series: Series) -> None:
-    """Why the newest series, when the operator's tree holds another."""
-    version = series.base().version
-    holding = tree_holds(DEFAULT_TREE)
-    mine = holding.release if holding else None
-    say(
-        f"exporting the {version} series, the newest: the closest to upstream "
-        "main, where pull requests go"
-        + (
-            f" ({rel(DEFAULT_TREE)}/ holds {mine}: VERSION={mine} exports its "
-            "series instead)"
-            if mine and mine != version
-            else ""
-        )
-    )
-
-
 def main() -> int:
     p = parser(__doc__)
     which = p.add_mutually_exclusive_group()
@@ -388,12 +367,18 @@ def main() -> int:
         series = Series(args.series.resolve())
     else:
         series = find_series()[-1]
-        say_why_newest(series)
-    tree = args.tree
+    say(why_this_series(series, bool(args.version or args.series)))
+    tree, builds = args.tree, False
     if tree is None and series.dir == DEFAULT_SERIES:
         tree = DEFAULT_TREE
     elif tree is None:
-        tree = WORK / f"v{series.base().version}" / "series"
+        tree, builds = WORK / f"v{series.base().version}" / "series", True
+    # Everything that can be checked is, before anything is downloaded or built.
+    check_patches(series, args.patch)
+    check_identity(tree)
+    check_onto(series, tree, args.onto, args.upstream, builds)
+    ensure_venv("build")
+    if builds:
         apply_series(series, tree)
     python = None
     if not args.no_tests:

@@ -17,6 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from keep.build_digests import DIGESTS_FILE
 from lib.paths import ROOT
 from lib.proc import git, git_bytes
 from lib.series import Series
@@ -146,11 +147,16 @@ class Env:
         )
 
     def check_patched(self) -> Path:
-        """Run vllm._fork's check; return where the patched module came from."""
+        """Run vllm._fork's checks (the build digests of every file the
+        series changes, the patched names); return where the patched module
+        came from."""
         proc = self.run(
             "-c",
             "import vllm._fork as fork, vllm.v1.core.kv_cache_utils as m\n"
             "assert not fork.missing_markers(), fork.missing_markers()\n"
+            "record = fork.build_record()\n"
+            "assert record and record['files'], 'no build digests'\n"
+            "assert not fork.file_problems(record), fork.file_problems(record)\n"
             "print(m.__file__)",
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -186,13 +192,14 @@ def _base_env() -> dict[str, str]:
 
 def patch_paths(series: Series) -> set[str]:
     """Files the series' patch texts and overlay change, read from the files
-    themselves (not from git), to check the tools against."""
+    themselves (not from git), to check the tools against; and the build
+    digests `make apply` writes beside the overlay."""
     paths = set()
     for p in series.patches():
         for line in p.path.read_text().splitlines():
             if line.startswith("diff --git a/"):
                 paths.add(line.split(" b/", 1)[1])
-    return paths | {str(f) for f in series.overlay_files()}
+    return paths | {str(f) for f in series.overlay_files()} | {DIGESTS_FILE}
 
 
 def reproducer_ids(series: Series) -> list[str]:

@@ -160,6 +160,8 @@ def test_image_build_lays_the_files_over_upstream(
     built = simulate_build(context, image.python, image)
     assert built.returncode == 0, built.stderr[-3000:]
     assert "patched modules are imported" in built.stdout
+    assert f"vLLM {series.base().version} with the series" in built.stdout
+    assert "files the series changes match their build digests" in built.stdout
     for path in changes.shipped:
         assert (image.site / path).read_bytes() == (tree / path).read_bytes()
     for path in changes.replaced:
@@ -172,6 +174,13 @@ def test_image_build_lays_the_files_over_upstream(
     again = image.run(str(installer), str(context / PAYLOAD))
     assert again.returncode == 0, again.stderr
     assert f"0 of {len(changes.shipped) + len(changes.deleted)} files" in again.stdout
+    # A file changed in the image after the build: the self-check names it.
+    victim = image.site / changes.replaced[0]
+    victim.write_bytes(victim.read_bytes() + b"# changed in the image\n")
+    tampered = image.run("-B", "-m", "vllm._fork")
+    assert tampered.returncode == 1
+    assert f"changed: {changes.replaced[0]}" in tampered.stderr
+    assert "make overlay VERSION=" in tampered.stderr
 
 
 def test_installer_refuses_another_vllm_version(

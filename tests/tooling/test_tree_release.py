@@ -172,14 +172,16 @@ def test_an_install_of_this_build_is_not_named(upstream: Upstream, tmp_path):
     assert stale_install(upstream.tree, other) is None
 
 
-def test_export_says_which_series_and_why(monkeypatch, capsys):
-    import ship.export
+def test_export_says_which_series_and_why(monkeypatch):
+    import ship.export_preflight as preflight
 
-    monkeypatch.setattr(ship.export, "tree_holds", lambda tree: Holding("0.28.0"))
-    ship.export.say_why_newest(Series(DEFAULT_SERIES / "v0.33.0"))
-    err = capsys.readouterr().err
-    assert "exporting the 0.33.0 series, the newest" in err
-    assert "holds 0.28.0: VERSION=0.28.0 exports its series" in err
+    monkeypatch.setattr(preflight, "tree_holds", lambda tree: Holding("0.28.0"))
+    line = preflight.why_this_series(Series(DEFAULT_SERIES / "v0.33.0"), False)
+    assert "exporting the 0.33.0 series (patches/v0.33.0/), the newest" in line
+    assert "pull requests go to upstream main" in line
+    assert "holds 0.28.0; `make export VERSION=0.28.0` exports that series" in line
+    asked = preflight.why_this_series(Series(DEFAULT_SERIES / "v0.28.0"), True)
+    assert asked == "exporting the 0.28.0 series (patches/v0.28.0/), as asked"
 
 
 def test_a_half_built_tree_picks_what_it_was_becoming(upstream: Upstream, monkeypatch):

@@ -1,0 +1,79 @@
+"""One name per fix across releases: every patch of every series has
+exactly one fix id, and the README's release table, the ledger and `make
+apply`'s progress lines use those ids (keep/fix_ids.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from keep.fix_ids import fix_ids, progress_label, series_fix_ids
+from keep.release_table import BEGIN, END
+from lib.errors import ForkError
+from lib.paths import ROOT
+from lib.series import Series, find_series, series_for_version
+
+ALL = find_series()
+IDS = fix_ids(ALL)
+
+
+def readme_table() -> tuple[list[str], dict[str, set[str]]]:
+    """The README release table's fix columns, and each release's carried ids."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip()
+    rows = [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in block.splitlines()
+        if line.startswith("|")
+    ]
+    header, body = rows[0], rows[2:]
+    columns = header[2:]
+    carried = {
+        row[0]: {c for c, cell in zip(columns, row[2:], strict=True) if cell == "yes"}
+        for row in body
+    }
+    return columns, carried
+
+
+@pytest.mark.parametrize("series", ALL, ids=lambda s: s.base().version)
+def test_every_patch_has_exactly_one_fix_id(series: Series):
+    found = series_fix_ids(series, IDS)
+    assert len(found) == len(series.patches())
+    assert len(set(found)) == len(found)
+    assert all(re.fullmatch(r"\d{4}|R\d+", f) for f in found)
+
+
+def test_the_readme_table_names_fixes_by_their_ids():
+    columns, carried = readme_table()
+    assert columns == list(dict.fromkeys(IDS.values()))
+    for series in ALL:
+        assert carried[series.base().version] == set(series_fix_ids(series, IDS))
+
+
+def test_the_ledger_names_carried_fixes_by_their_ids():
+    ledger = (ROOT / "docs" / "ledger.md").read_text()
+    named = set(re.findall(r"carried: (\w+)", ledger))
+    assert named and named <= set(IDS.values())
+
+
+def test_make_apply_says_the_fix_id_when_the_number_differs():
+    on_0_28 = series_for_version("0.28.0").patches()
+    assert on_0_28[2].name.startswith("0003-KVConnector-Store-the-final-blocks")
+    assert progress_label(on_0_28[2], IDS) == "  (fix 0004)"
+    assert progress_label(on_0_28[0], IDS) == ""  # 0001 is 0001
+    assert [progress_label(p, IDS) for p in ALL[0].patches()] == [""] * len(
+        ALL[0].patches()
+    )
+    assert "(fix R" in "".join(progress_label(p, IDS) for p in on_0_28)
+
+
+def test_a_patch_with_no_fix_id_is_refused(tmp_path):
+    series = tmp_path / "patches"
+    series.mkdir()
+    (series / "base.toml").write_text((ALL[0].dir / "base.toml").read_text())
+    (series / "0001-Something-new.patch").write_text(
+        "From 0 Mon Sep 17 00:00:00 2001\nSubject: [PATCH] Something new\n\nx\n"
+    )
+    with pytest.raises(ForkError, match="no fix id"):
+        series_fix_ids(Series(series), IDS)
