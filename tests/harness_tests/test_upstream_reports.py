@@ -121,43 +121,6 @@ def test_a_mamba_align_request_asked_for_fewer_blocks_than_it_holds():
         assert manager.allocate_slots(req, 1) is not None
 
 
-# --- ledger row async-preempt-placeholder-underflow ---------------------------
-
-
-@pytest.mark.parametrize("num_gpu_blocks", [8, 10])
-def test_preempting_a_request_with_two_steps_in_flight(num_gpu_blocks):
-    """Async scheduling with three steps in flight (pipeline stages): KV
-    pressure preempts a decoding request while two of its steps are
-    launched. Up to 0.26.0 the preemption leaves its output placeholders
-    counted, it is resumed before that output returns, and the engine dies
-    on `assert request.num_output_placeholders >= 0` (vllm#41190, fixed
-    by vllm#48245 in 0.27.0, which marks the in-flight output stale)."""
-    from vllm.v1.request import Request
-
-    probe = Request.__init__
-    tracks_stale = source_has(probe, "num_stale_output_tokens")
-    e = Engine(
-        HarnessConfig(
-            num_gpu_blocks=num_gpu_blocks,
-            offload=False,
-            prefix_caching=False,
-            async_scheduling=True,
-            pipeline_parallel_size=3,
-        )
-    )
-    a = e.add_request(list(range(100, 148)), max_tokens=40)
-    b = e.add_request(list(range(200, 248)), max_tokens=40)
-    if not tracks_stale:
-        with pytest.raises(AssertionError):
-            e.run(max_steps=500)
-        assert e.stats.preemptions >= 1
-        return
-    e.run(max_steps=500)
-    assert e.stats.preemptions >= 1
-    assert {a, b} <= e.stats.finished
-    assert e.runner.violations == []
-
-
 # --- ledger row hybrid-connector-hit-divergence -------------------------------
 
 
