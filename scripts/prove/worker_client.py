@@ -18,6 +18,9 @@ from lib.errors import ForkError
 from lib.paths import ROOT, rel
 from lib.testenv import tree_env
 
+# Seconds a worker's first answer may take beyond a trace's timeout.
+STARTUP_S = 300
+
 
 def worker_env(tree: Path) -> dict[str, str]:
     env = tree_env(tree)
@@ -42,6 +45,7 @@ class Worker:
         log_dir: Path,
     ):
         self.name = name
+        self.answered = False
         # Set iteration order depends on the hash seed, and vLLM iterates
         # sets of block hashes: without a fixed one a seed does not replay.
         env = {**os.environ, **worker_env(tree), "PYTHONHASHSEED": str(seed % 2**32)}
@@ -70,6 +74,11 @@ class Worker:
 
     def receive(self, what: str, timeout: float) -> dict:
         assert self.proc.stdout is not None
+        if not self.answered:
+            # The first answer waits for the worker to import torch and
+            # vLLM too: over two minutes with three workers starting at
+            # once on a loaded 2-core machine (a make test that failed so).
+            timeout += STARTUP_S
         killer = threading.Timer(timeout, self.proc.kill)
         killer.start()
         try:
@@ -83,6 +92,7 @@ class Worker:
                 f"worker on {self.name} {why} in {what} (--timeout {timeout:g}); "
                 f"see {rel(self.log_path)}"
             )
+        self.answered = True
         return json.loads(line)
 
     def run(
