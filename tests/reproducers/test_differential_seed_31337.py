@@ -20,10 +20,9 @@ session whose queued input ends it does not go back to idling: that is
 the lead.
 
 async-mixed 32038 (no connector, async scheduling, full attention): the
-series fails with "Invalid request status: RUNNING" where the release
+series failed with "Invalid request status: RUNNING" where the release
 stalls, the class of async-mixed 5968 in test_waiting_requests_queued_once
-(the ledger's preempted-gets-stale-output, an upstream bug the series
-does not carry a fix for yet).
+(the ledger's preempted-session-loses-context, fixed by 0017).
 """
 
 from __future__ import annotations
@@ -67,7 +66,6 @@ def test_a_session_given_its_last_chunk_is_not_left_behind(seed, request_id):
     assert request_id in record["completed"], "the release completes it"
 
 
-@pytest.mark.xfail(strict=True, reason="preempted-gets-stale-output, not carried yet")
 def test_async_mixed_32038_does_not_crash():
     record = run(32038, "async-mixed")
     assert record["crash"] is None, record["crash"]

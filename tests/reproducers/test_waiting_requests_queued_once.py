@@ -18,12 +18,12 @@ skipped_waiting and among the step's skipped requests. Breaking the stall
 (0010) is what lets the trace get there.
 
 async-mixed 5968 (FCFS, async scheduling): the ledger's
-preempted-gets-stale-output, an upstream bug that bare 0.20.2 crashes on
-too (async-mixed trace 160). A session preempted with a step in flight is
-stopped by that step's output; its next chunk drops its context, the
-chunk's turn schedules one step too many, and the stale output stops it a
-second time, queueing it again. The bare release stalls before it runs
-the session; 0010 breaks the stall.
+preempted-session-loses-context. A session preempted with a step in
+flight is stopped by that step's output; its next chunk dropped its
+context, the chunk's turn scheduled one step too many, and that step's
+output stopped it a second time, queueing it again. The bare release
+stalls before it runs the session; 0010 breaks the stall, and 0017 keeps
+the session's context.
 """
 
 from __future__ import annotations
@@ -37,15 +37,7 @@ from harness.trace_worker import run
     ("seed", "family"),
     [
         (4559, "mixed"),
-        pytest.param(
-            5968,
-            "async-mixed",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="upstream bug preempted-gets-stale-output (docs/ledger.md), "
-                "not carried yet",
-            ),
-        ),
+        (5968, "async-mixed"),
     ],
 )
 def test_a_trace_from_soak_seed_4242_runs_to_the_end(seed, family):
