@@ -152,6 +152,15 @@ EFFECTS = [
         "differ, and what is computed, cached and moved after them",
     ),
     Effect(
+        "Streaming-input-a-session-preempted",
+        AFTER_TRANSFERS | {"loads", "stores", "remote_waiting", "preempted", "ended"},
+        "session-chunks",
+        "under async scheduling, a session stopped by the output of a step in "
+        "flight at its preemption keeps its context for its next chunk, and "
+        "stays queued: it computes the tokens the release dropped, or runs "
+        "where the release left it in no queue",
+    ),
+    Effect(
         "admit-an-async-KV-load",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
         "loads",
