@@ -1,11 +1,12 @@
 """A streaming-input session preempted while its last step is in flight
-(async scheduling): the ledger's preempted-session-loses-context.
+(async scheduling): the ledger's preempted-gets-stale-output.
 
 Under async scheduling a step's output is processed after the next step is
 scheduled. When that next schedule() preempts a session for KV blocks, the
-output of its step in flight still comes in (releases before 0.27.0 deliver
-it; the series' 0016 keeps it as stale output) and can end the session's
-current chunk: the session stops with its computed tokens reset to 0.
+output of its step in flight still comes in (every release before 0.33.0
+delivers it; on 0.19.0-0.26.0 the series' 0016 keeps it as stale output)
+and can end the session's current chunk: the session stops with its
+computed tokens reset to 0.
 
 - Its next chunk then cut its tokens at the computed ones, 0: the session
   lost its whole context, prompt included, and went on with the new chunk
@@ -18,9 +19,10 @@ current chunk: the session stops with its computed tokens reset to 0.
   preempted requests from that queue, just after, took it out again. In no
   queue, it never ran again.
 
-The patch keeps every token but the final sampled one, as a session that
-was not preempted does (computed again when it runs), and takes such a
-session out of the waiting queues before it is queued again.
+The patch keeps every token but the final sampled one (computed again when
+it runs; a session that was not preempted keeps what it computed, as the
+release does), and takes such a session out of the waiting queues before
+it is queued again.
 """
 
 from __future__ import annotations

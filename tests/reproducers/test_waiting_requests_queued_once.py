@@ -18,7 +18,7 @@ skipped_waiting and among the step's skipped requests. Breaking the stall
 (0010) is what lets the trace get there.
 
 async-mixed 5968 (FCFS, async scheduling): the ledger's
-preempted-session-loses-context. A session preempted with a step in
+preempted-gets-stale-output. A session preempted with a step in
 flight is stopped by that step's output; its next chunk dropped its
 context, the chunk's turn scheduled one step too many, and that step's
 output stopped it a second time, queueing it again. The bare release
