@@ -16,7 +16,10 @@ does and measures both trees in one run, in two parts, and a third on request:
              steps, the total CPU to drain the burst (up to --drain-up-to
              requests; at larger sizes only the window is timed), series/base
              per round, and the exponent of ms/step against requests fitted
-             from 512 to 10,000 (target: ratios at most 1.05);
+             from 512 to 10,000 (target: ratios at most 1.05); up to
+             --count-up-to requests also the Python bytecodes the scheduler
+             executes to drain one burst, series/base: a count, the same on
+             any machine and under any load (harness.scale.Bytecodes);
   server     (--part server, not run by default) the real `vllm serve` with
              make e2e's model-free worker, driven by the openai client at a
              fixed concurrency (scripts/prove/bench_serve.py): requests/s
@@ -204,6 +207,10 @@ def scheduler_part(
                 # would be cut too.
                 if cell.cut():
                     break
+            if size <= args.count_up_to:
+                both(workers, f"scale prepare {row} {size} 0")
+                counted = both(workers, "scale bytecodes")
+                cell.bytecodes = {k: a["bytecodes"] for k, a in counted.items()}
             say(
                 f"    {row} at {size:,}: {len(cell.base)} rounds, "
                 f"{time.monotonic() - start:.0f}s"
@@ -316,6 +323,13 @@ def main() -> int:
         type=int,
         default=4096,
         help="time the whole drain up to this burst size (default 4096)",
+    )
+    p.add_argument(
+        "--count-up-to",
+        type=int,
+        default=512,
+        help="count the scheduler's bytecodes up to this burst size (default "
+        "512; 0: never; tracing is about 30 times slower than running)",
     )
     p.add_argument(
         "--limit",

@@ -55,6 +55,9 @@ class Cell:
     size: int
     base: list[Round] = field(default_factory=list)
     series: list[Round] = field(default_factory=list)
+    # The scheduler's Python bytecodes to drain one burst, per tree, where
+    # counted (bench.py --count-up-to).
+    bytecodes: dict[str, int] | None = None
 
     def cut(self) -> bool:
         return any(r.window_cut for r in self.base + self.series)
@@ -79,6 +82,13 @@ class Cell:
             [(b.drain_seconds or 0.0, b.drain_cut) for b in self.base],
             [(s.drain_seconds or 0.0, s.drain_cut) for s in self.series],
         )
+
+    def bytecode_ratio(self) -> str:
+        """Series/base of the bytecodes counted, '-' where not counted."""
+        if not self.bytecodes or not self.bytecodes.get("base"):
+            return "-"
+        value = self.bytecodes["series"] / self.bytecodes["base"]
+        return f"{value:.3f}" + (" **!**" if value > SCALE_TARGET else "")
 
     def drain_steps(self) -> str:
         """Steps each tree took to drain the first round (where both did):
@@ -160,8 +170,9 @@ def scale_table(
         f"### Scheduler at scale, {release}: series/base",
         "",
         "| row | requests | base ms/step | series ms/step | series/base "
-        "| total CPU series/base | drain steps base/series |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| total CPU series/base | bytecodes series/base "
+        "| drain steps base/series |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     flagged = []
     for c in cells:
@@ -172,7 +183,7 @@ def scale_table(
         out.append(
             f"| {c.row} | {c.size:,} | {c.step_ms('base').show()} | "
             f"{c.step_ms('series').show()} | {shown(step)} | {shown(drain)} | "
-            f"{c.drain_steps()} |"
+            f"{c.bytecode_ratio()} | {c.drain_steps()} |"
         )
     out += [
         "",
@@ -196,7 +207,10 @@ def scale_table(
         f"'>': a lower bound (the round reached its CPU limit); '-': not "
         f"measured (total CPU is measured where the burst is drained). Where "
         f"the trees drain in different numbers of steps, the total compares "
-        f"the work; a step of a tree that takes fewer does more."
+        f"the work; a step of a tree that takes fewer does more. Bytecodes: "
+        f"the Python bytecodes the scheduler executed to drain one burst, "
+        f"series/base, counted (not timed): the same on any machine to about "
+        f"0.1 %."
     )
     if flagged:
         out.append(f"**!** above {SCALE_TARGET}: " + "; ".join(flagged) + ".")

@@ -13,6 +13,9 @@ load on a shared machine does not count while the worker waits for a core.
   scale prepare ROW SIZE SEED   the scheduler at scale (tests/harness/scale.py):
                                 build ROW's engine for bursts of SIZE
                                 requests, not timed: {"set_up_seconds"}
+  scale bytecodes               one burst through that engine, drained, with
+                                the scheduler's Python bytecodes counted
+                                (harness.scale.Bytecodes): {"bytecodes", "steps"}
   scale run WINDOW DRAIN LIMIT BURSTS
                                 BURSTS bursts through that engine: the
                                 scheduler's CPU per step for WINDOW steps of
@@ -162,6 +165,9 @@ class Scale:
             start = time.perf_counter()
             self.bench = self.scale.Bench(row, size, seed)
             return {"set_up_seconds": time.perf_counter() - start}
+        if words[0] == "bytecodes" and self.bench is not None:
+            bench, self.bench = self.bench, None
+            return bench.count_bytecodes()
         if words[0] == "run" and self.bench is not None:
             window, drain, limit = int(words[1]), words[2] == "1", float(words[3])
             bench, self.bench = self.bench, None

@@ -33,6 +33,19 @@ def test_the_light_runner_makes_the_decisions_of_the_fake_runner(row):
     assert light["preemptions"] > 0 and light["loads"] > 0
 
 
+def test_the_bytecodes_of_a_burst_are_counted_alike_every_time():
+    """The count make bench puts beside the timings: two engines built alike
+    count alike (to the set orders that follow object addresses), and the
+    trace is gone after the count."""
+    import sys
+
+    first, second = (Bench("tight", 16).count_bytecodes() for _ in range(2))
+    assert first["steps"] == second["steps"] > 0
+    assert first["bytecodes"] > 1000
+    assert abs(first["bytecodes"] - second["bytecodes"]) < first["bytecodes"] / 100
+    assert sys.gettrace() is None
+
+
 def test_the_offload_rows_load_from_the_cpu():
     result = Bench("offload-burst", 32).run(window=40, drain=True, limit=120)
     assert result["loads"] > 0

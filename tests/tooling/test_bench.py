@@ -99,11 +99,26 @@ def test_the_scale_table_flags_the_cells_past_the_target():
     text = "\n".join(lines)
     plain_4096 = next(x for x in lines if x.startswith("| plain | 4,096 |"))
     assert plain_4096.count("1.20 **!**") == 2  # per step and in total
-    assert "| plain | 10,000 | 1.00 | 1.00 | 1.00 | - | - |" in lines
+    assert "| plain | 10,000 | 1.00 | 1.00 | 1.00 | - | - | - |" in lines
     assert "plain at 4,096 (step, total)" in text
     slope = fit_exponent([(512, 1.0), (4096, 1.2), (10_000, 1.0)])
     assert f"| plain | p | 0.00 | {slope:.2f} |" in lines  # the exponents
     assert "| burst | b | - | - |" in lines  # one size: no fit
+
+
+def test_the_bytecodes_counted_show_as_a_ratio_flagged_past_the_target():
+    counted, heavier, uncounted = (cell("p", n, 1e-3, 1e-3) for n in (64, 512, 4096))
+    counted.bytecodes = {"base": 1000, "series": 1040}
+    heavier.bytecodes = {"base": 1000, "series": 1060}
+    assert counted.bytecode_ratio() == "1.040"
+    assert heavier.bytecode_ratio() == "1.060 **!**"
+    assert uncounted.bytecode_ratio() == "-"
+    row = next(
+        x
+        for x in scale_table("v0.20.2", [counted, heavier], {"p": "p"}, 3)
+        if x.startswith("| p | 64 |")
+    )
+    assert "| 1.040 |" in row
 
 
 def test_a_cut_cell_shows_bounds_and_its_exponent_too():
