@@ -19,6 +19,7 @@ runs in the release's test environment (vLLM requires pyyaml):
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -90,9 +91,17 @@ def selection(tree: Path, changed: list[str], test_dirs: list[str]) -> dict:
 
 
 def main() -> int:
-    # Standard library and PyYAML only: it runs in the release's environment.
-    tree, dirs, *changed = sys.argv[1:]
-    print(json.dumps(selection(Path(tree), changed, dirs.split(","))))
+    # Standard library and PyYAML only: it runs in the release's environment,
+    # without the project's lib/ (whose parser the other scripts share).
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("tree", type=Path, help="a vLLM source tree with .buildkite/")
+    p.add_argument("dirs", help="test directories, comma-separated")
+    p.add_argument("files", nargs="*", help="the changed files")
+    args = p.parse_args()
+    chosen = selection(args.tree, args.files, args.dirs.split(","))
+    print(json.dumps(chosen))
     return 0
 
 

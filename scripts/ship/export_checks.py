@@ -277,9 +277,9 @@ def tests(
 
 def ci_test_dirs(python: Path, worktree: Path, base: str) -> tuple[list[str], str]:
     """Upstream's scheduler test dirs that vLLM's CI runs for the files the
-    patch changes (ci_selection.py, read from the base's pipeline, with the
-    release's python, which has PyYAML), and a line saying so. All of them
-    when the pipeline cannot be read: never fewer than it would run."""
+    patch changes (ci_selection.py, read from the branch's .buildkite/, with
+    the release's python, which has PyYAML), and a line saying so. All of
+    them when the pipeline cannot be read: never fewer than CI would run."""
     changed = git(worktree, "diff", "--name-only", base, "HEAD").split()
     proc = run(
         [str(python), str(CI_SELECTION), str(worktree), ",".join(UPSTREAM_TESTS)]
