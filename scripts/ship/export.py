@@ -15,8 +15,13 @@ For every patch that is not already upstream, rebased onto an upstream ref
     DCO sign-off; ruff check and ruff format with the ref's own settings and
     the SPDX header of new files; mypy as the pre-commit hook runs it; the
     tests the patch adds under tests/ fail on the ref and pass on the branch,
-    and tests/v1/core and tests/v1/simple_kv_offload lose no passing test
-    (--no-tests skips mypy and the tests).
+    and tests/v1/core and tests/v1/simple_kv_offload (those vLLM's CI runs
+    for the patch's files) lose no passing test (--no-tests skips mypy and
+    the tests). Their results are kept in .work/test-results/ by the tested
+    tree's content, the tests and the environment (lib/testcache.py): a
+    base that patches share, a stacked patch's base and a second export are
+    served from there (--fresh-tests runs everything again). Each patch's
+    line "checked in ..." says how long its checks took.
 By default it exports the newest release's series (the closest to upstream
 main that there is) from .work/v<release>/series, onto main fetched from
 GitHub; --upstream points at a clone of vLLM instead, and --onto at
