@@ -11,6 +11,9 @@ which a rebase keeps; nothing is stored but the patches themselves.
 
   python3 scripts/keep/fix_ids.py                   each release's files, their fix ids
   python3 scripts/keep/fix_ids.py --version 0.28.0  one release's
+  python3 scripts/keep/fix_ids.py --write-rebase-notes
+      the `fix` column of every REBASE.md table that names patch files
+      (tests/tooling/test_rebase_notes.py checks it is up to date)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from keep.release_table import release_patches
-from lib.cli import main_guard, parser
+from lib.cli import main_guard, parser, say
 from lib.errors import ForkError
 from lib.paths import rel
 from lib.series import Patch, Series, find_series, series_for_version, version_key
@@ -70,11 +73,106 @@ def apply_labels() -> dict[str, str]:
         return {}
 
 
+# The REBASE.md tables that name patch files (`make rebase` writes the
+# first, the second is added by hand), and the column of the file whose fix
+# id goes in their last column, `fix`: the file the patch is now, or, for a
+# patch the rebase dropped, the file it was.
+NOTE_TABLES = {
+    ("patch", "state", "detail", "now"): (3, 0),
+    ("patch", "subject", "how"): (0, 0),
+}
+FIX_COLUMN = "fix"
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def slug_ids(all_series: list[Series], ids: dict[str, str]) -> dict[str, str]:
+    """File name without its number (the subject's slug, the same in every
+    series) -> fix id, over every series: names a dropped patch's file."""
+    return {
+        p.name[5:]: ids[p.subject()]
+        for s in all_series
+        for p in s.patches()
+        if p.subject() in ids
+    }
+
+
+def with_fix_ids(text: str, series: Series, ids: dict[str, str], slugs: dict) -> str:
+    """REBASE.md `text` of `series` with the fix column of its patch tables
+    (re)made; refused when a file it names has no fix id."""
+    here = {p.name: ids.get(p.subject()) for p in series.patches()}
+    out: list[str] = []
+    columns: tuple[int, int] | None = None
+    header: tuple[str, ...] = ()
+    for line in text.splitlines():
+        cells = _cells(line) if line.startswith("|") else None
+        if cells is None:
+            columns = None
+        elif columns is None:
+            header = tuple(c for c in cells if c != FIX_COLUMN)
+            if header in NOTE_TABLES:
+                columns = NOTE_TABLES[header]
+                line = _row([*header, FIX_COLUMN])
+        elif set(cells) <= {"---", ":-:"}:
+            line = _row(["---"] * (len(header) + 1))
+        else:
+            now, was = columns
+            cells = cells[: len(header)]
+            name = cells[now] if cells[now] != "dropped" else cells[was]
+            fix = here.get(name) or slugs.get(name[5:])
+            if not fix:
+                raise ForkError(
+                    f"{rel(series.dir)}/REBASE.md names {name}, which has no fix "
+                    "id (no series has a patch of that name)"
+                )
+            line = _row([*cells, fix])
+        out.append(line)
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def rebase_notes(
+    all_series: list[Series], write: bool, only: Path | None = None
+) -> list[Series]:
+    """The series (of `only`'s directory, if given) whose REBASE.md lacks
+    its fix ids; rewritten with `write`."""
+    ids = fix_ids(all_series)
+    slugs = slug_ids(all_series, ids)
+    stale = []
+    for s in all_series:
+        if only is not None and s.dir.resolve() != only.resolve():
+            continue
+        note = s.dir / "REBASE.md"
+        if not note.is_file():
+            continue
+        text = note.read_text()
+        new = with_fix_ids(text, s, ids, slugs)
+        if new != text:
+            stale.append(s)
+            if write:
+                note.write_text(new)
+    return stale
+
+
 def main() -> int:
     p = parser(__doc__)
     p.add_argument("--version", metavar="RELEASE", help="only this release's series")
+    p.add_argument(
+        "--write-rebase-notes",
+        action="store_true",
+        help="write the fix column of each series' REBASE.md tables",
+    )
     args = p.parse_args()
     all_series = find_series()
+    if args.write_rebase_notes:
+        for s in rebase_notes(all_series, write=True):
+            say(f"{rel(s.dir)}/REBASE.md: fix ids written")
+        return 0
     ids = fix_ids(all_series)
     chosen = [series_for_version(args.version)] if args.version else all_series
     for s in sorted(chosen, key=lambda s: version_key(s.base().version)):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from keep.apply import apply_series, make_hint
 from keep.fetch import upstream_repo
+from keep.fix_ids import rebase_notes
 from keep.rebase_replay import CLEAN, CONFLICT, MERGED, PENDING, head
 from keep.rebase_report import REPORT, report, table
 from keep.rebase_state import State, cleanup, state_file
@@ -27,7 +28,7 @@ from lib.cli import say
 from lib.errors import ForkError
 from lib.paths import rel
 from lib.proc import git, run
-from lib.series import BASE_FILE, Series
+from lib.series import BASE_FILE, Series, find_series
 
 
 def into_changes(into: Path) -> list[str]:
@@ -127,6 +128,7 @@ def finish(state: State) -> State:
                 f"{rel(into)}/."
             ) from e
         write_series(staging, into)
+    note_fix_ids(into)
     prune(state.store, series_dirs(state.store.parent))
     cleanup(tree)
     minutes = (time.time() - state.started) / 60
@@ -139,6 +141,19 @@ def finish(state: State) -> State:
         f"`make test`, and commit {rel(into)}/."
     )
     return state
+
+
+def note_fix_ids(into: Path) -> None:
+    """The fix column of INTO's REBASE.md, when INTO is one of the project's
+    series (the ids are counted over all of them). Where that cannot be
+    done, `fix_ids.py --write-rebase-notes` does it later, and
+    tests/tooling/test_rebase_notes.py says so."""
+    all_series = find_series()
+    if any(s.dir.resolve() == into.resolve() for s in all_series):
+        try:
+            rebase_notes(all_series, write=True, only=into)
+        except ForkError as e:
+            say(f"{rel(into)}/REBASE.md: no fix ids written: {e}")
 
 
 def write_series(staging: Path, into: Path) -> None:

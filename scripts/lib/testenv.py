@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,9 +212,16 @@ def exception_type(message: str) -> str:
 
 
 def reproducer_verdicts(
-    python: Path, tree: Path, test_ids: list[str], cwd: Path, junit: Path, log: Path
+    python: Path,
+    tree: Path,
+    test_ids: list[str],
+    cwd: Path,
+    junit: Path,
+    log: Path,
+    pytest: Callable[..., int] = run_pytest,
 ) -> dict[str, Verdict]:
-    """Run the files holding `test_ids` (relative to `cwd`) against `tree`."""
+    """Run the files holding `test_ids` (relative to `cwd`) against `tree`
+    (with `pytest`: run_pytest or one with its signature)."""
     files = sorted({t.split("::")[0] for t in test_ids})
     present = [f for f in files if (cwd / f).is_file()]
     results: dict[str, tuple[str, str]] = {}
@@ -222,7 +230,7 @@ def reproducer_verdicts(
         junit.unlink(missing_ok=True)
         # One file that no longer imports must not keep the others from running.
         args = ["--continue-on-collection-errors", *present]
-        run_pytest(python, tree, cwd, junit, args, log)
+        pytest(python, tree, cwd, junit, args, log)
         results = read_junit_details(junit)
         failures = junit_failure_texts(junit)
     verdicts = {}

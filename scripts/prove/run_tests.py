@@ -82,16 +82,18 @@ def both_trees(
     label: str,
     args: list[str],
     cwd_base: Path | None = None,
+    pytest: Callable[..., int] = run_pytest,
 ) -> tuple[dict, dict]:
     """Run pytest on the base and patched trees at once (two cores); logs
-    are LOGS/<label>-v<version>-<base|series>.*."""
+    are LOGS/<label>-v<version>-<base|series>.*. `pytest` is run_pytest or
+    one with its signature (make export's serves known results again)."""
 
     def one(kind: str, tree: Path) -> dict[str, str]:
         junit = LOGS / f"{label}-v{trees.version}-{kind}.xml"
         log = LOGS / f"{label}-v{trees.version}-{kind}.log"
         junit.parent.mkdir(parents=True, exist_ok=True)
         junit.unlink(missing_ok=True)
-        run_pytest(python, tree, cwd_base or tree, junit, args, log)
+        pytest(python, tree, cwd_base or tree, junit, args, log)
         return read_junit(junit)
 
     with ThreadPoolExecutor(2) as pool:
@@ -101,11 +103,17 @@ def both_trees(
 
 
 def upstream_tests(
-    python: Path, trees: Trees, label: str = "upstream"
+    python: Path,
+    trees: Trees,
+    label: str = "upstream",
+    paths: list[str] | None = None,
+    pytest: Callable[..., int] = run_pytest,
 ) -> tuple[bool, str]:
+    """`paths` (default: all of UPSTREAM_TESTS) on both trees: a test that
+    passes on the base must pass on the other."""
     # A module that fails to collect must not stop the others from running.
-    args = ["--continue-on-collection-errors", *UPSTREAM_TESTS]
-    base, patched = both_trees(python, trees, label, args)
+    args = ["--continue-on-collection-errors", *(paths or UPSTREAM_TESTS)]
+    base, patched = both_trees(python, trees, label, args, pytest=pytest)
     if not any(o == "passed" for o in base.values()) or not patched:
         return False, f"nothing passed on the base: see {rel(LOGS)}/{label}-*.log"
     regressions = sorted(

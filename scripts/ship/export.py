@@ -15,8 +15,13 @@ For every patch that is not already upstream, rebased onto an upstream ref
     DCO sign-off; ruff check and ruff format with the ref's own settings and
     the SPDX header of new files; mypy as the pre-commit hook runs it; the
     tests the patch adds under tests/ fail on the ref and pass on the branch,
-    and tests/v1/core and tests/v1/simple_kv_offload lose no passing test
-    (--no-tests skips mypy and the tests).
+    and tests/v1/core and tests/v1/simple_kv_offload (those vLLM's CI runs
+    for the patch's files) lose no passing test (--no-tests skips mypy and
+    the tests). Their results are kept in .work/test-results/ by the tested
+    tree's content, the tests and the environment (lib/testcache.py): a
+    base that patches share, a stacked patch's base and a second export are
+    served from there (--fresh-tests runs everything again). Each patch's
+    line "checked in ..." says how long its checks took.
 By default it exports the newest release's series (the closest to upstream
 main that there is) from .work/v<release>/series, onto main fetched from
 GitHub; --upstream points at a clone of vLLM instead, and --onto at
@@ -45,6 +50,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
@@ -52,11 +58,13 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from keep.apply import apply_series
 from keep.refresh import format_patches
+from lib import testcache
 from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
 from lib.paths import DEFAULT_SERIES, DEFAULT_TREE, DIST, WORK, fresh_output_dir, rel
 from lib.proc import git, git_ok, run
 from lib.series import Patch, Series, find_series, series_for_version
+from lib.testcache import Stats
 from lib.venv import TEST_REQS, VENV, ensure_venv, pip_install, release_venv
 from ship import export_checks
 from ship.export_pr import and_list, e2e_figures, pr_description
@@ -84,6 +92,17 @@ def stacked_line(result: Exported) -> str:
         "stacked on "
         + and_list([f"{r.patch.name} ({r.branch})" for r in under])
         + f"; its PR text says it depends on {prs}"
+    )
+
+
+def patch_time(began: float, before: tuple[int, int]) -> str:
+    """How long a patch's checks took, and how many of its test runs (and
+    mypy) the cache served (lib/testcache.py)."""
+    minutes, seconds = divmod(round(time.monotonic() - began), 60)
+    served, ran = Stats.served - before[0], Stats.ran - before[1]
+    return (
+        f"checked in {minutes} min {seconds} s: {served} of {served + ran} "
+        f"test and mypy runs served from {rel(testcache.CACHE_DIR)}/"
     )
 
 
@@ -267,6 +286,7 @@ def export_series(
             if result.stacked_on:
                 say(f"    {stacked_line(result)}")
             stem = patch.name.removesuffix(".patch")
+            began, before = time.monotonic(), (Stats.served, Stats.ran)
             checks = [
                 export_checks.dco(wt, commit, signer),
                 export_checks.lint(wt, start),
@@ -300,6 +320,8 @@ def export_series(
                 say(f"    {line}")
             for summary in summaries:
                 say(f"    ok: {summary}")
+            if python is not None:
+                say(f"    {patch_time(began, before)}")
     finally:
         run(["git", "-C", tree, "worktree", "remove", "--force", wt], check=False)
         shutil.rmtree(wt, ignore_errors=True)
@@ -356,6 +378,12 @@ def main() -> int:
         "stacked only on the earlier ones it needs",
     )
     p.add_argument(
+        "--fresh-tests",
+        action="store_true",
+        help="run every test and mypy again instead of reading the results "
+        "kept for the same tree in .work/test-results/ (and keep the new ones)",
+    )
+    p.add_argument(
         "--no-tests",
         action="store_true",
         help="skip the slow checks: mypy and the tests (base and branch)",
@@ -381,6 +409,7 @@ def main() -> int:
     if builds:
         apply_series(series, tree)
     python = None
+    testcache.FRESH = args.fresh_tests
     if not args.no_tests:
         python = release_venv(
             series.base().version, tree.resolve() / "requirements" / "common.txt"

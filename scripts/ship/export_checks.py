@@ -10,18 +10,23 @@ vLLM's pre-commit and CI look at a pull request this way, and so does this:
   - the tests: the patch must add tests under vLLM's tests/; they must pass
     on the branch and fail on the commit it is based on (each one that
     fails there, for a reason in the test, not at import); and every test
-    of tests/v1/core and tests/v1/simple_kv_offload that passes on the base
-    passes on the branch;
+    of tests/v1/core and tests/v1/simple_kv_offload (those of the two that
+    vLLM's CI runs for the files the patch changes: ci_selection.py) that
+    passes on the base passes on the branch;
   - the patch's reproducers (the fork's harness, tests/reproducers/) on the
     commit it is based on and on the branch: all pass on the branch, at
     least one fails before; their table is the PR's before/after figures.
 Each check returns the problems it found (none: it passed), a line for
-the PR description, and any table of figures for it.
+the PR description, and any table of figures for it. The test runs and
+mypy are served from lib/testcache.py's results when the same tree was
+checked the same way before (a base that patches share, a stacked patch's
+base, which is the branch before it, a second export).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 import tempfile
@@ -30,19 +35,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lib import testcache
 from lib.cli import step
 from lib.errors import ForkError
 from lib.paths import ROOT, WORK, rel
 from lib.proc import git, run
 from lib.series import Patch, Series
-from lib.testenv import (
-    exception_type,
-    read_junit_details,
-    reproducer_verdicts,
-    run_pytest,
-)
+from lib.testenv import exception_type, read_junit_details, reproducer_verdicts
 from lib.venv import RELEASE_VENVS
-from prove.run_tests import Trees, ruff, upstream_tests
+from prove.run_tests import UPSTREAM_TESTS, Trees, ruff, upstream_tests
 
 # What vLLM's check_spdx_header.py wants at the top of every new file.
 SPDX_LINES = (
@@ -53,6 +54,7 @@ SPDX_LINES = (
 # it imports or names what the patch adds.
 NOT_RUN_TYPES = {"ImportError", "ModuleNotFoundError", "NameError"}
 LOGS = WORK / "logs" / "export"
+CI_SELECTION = Path(__file__).with_name("ci_selection.py")
 
 
 @dataclass
@@ -157,15 +159,33 @@ def mypy(worktree: Path, base: str) -> CheckResult:
     venv = mypy_venv(requirements)
     # Only the hook's environment: none of the caller's Python paths.
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "PYTHONPATH": "", "MYPYPATH": ""}
-    proc = run(
-        [str(venv / "bin" / "python"), "tools/pre_commit/mypy.py", version, *files],
-        cwd=worktree,
-        env=env,
-        check=False,
-    )
-    if proc.returncode != 0:
-        out = (proc.stdout + proc.stderr).strip()
-        return CheckResult([f"mypy (vLLM's pre-commit hook):\n{out[-3000:]}"], "")
+    out: list[str] = []
+
+    def produce(d: Path) -> int:
+        proc = run(
+            [str(venv / "bin" / "python"), "tools/pre_commit/mypy.py", version, *files],
+            cwd=worktree,
+            env=env,
+            check=False,
+        )
+        (d / "output").write_text(proc.stdout + proc.stderr)
+        # mypy says 0 (clean) or 1 (errors found); anything else is no verdict.
+        return proc.returncode if proc.returncode in (0, 1) else 2
+
+    def deliver(d: Path, served: bool) -> None:
+        out.append((d / "output").read_text())
+
+    # The same files with the same hook give the same verdict: a stacked
+    # patch's rerun, or a second `make export`, reads it from the cache.
+    inputs = {
+        "kind": "mypy",
+        "tree": testcache.tree_content(worktree),
+        "hook": [version, *requirements],
+        "files": files,
+    }
+    if testcache.cached(inputs, produce, deliver) != 0:
+        text = "".join(out).strip()
+        return CheckResult([f"mypy (vLLM's pre-commit hook):\n{text[-3000:]}"], "")
     return CheckResult(
         [],
         f"mypy as vLLM's pre-commit hook runs it: clean on {len(files)} files "
@@ -214,7 +234,13 @@ def tests(
             if not git(base_tree, "ls-files", f):
                 (base_tree / f).unlink()
     trees = Trees(series, series.base().version, base_tree, worktree)
-    regressions_ok, regressions = upstream_tests(python, trees, f"export/{label}")
+    dirs, selected = ci_test_dirs(python, worktree, base)
+    if dirs:
+        regressions_ok, regressions = upstream_tests(
+            python, trees, f"export/{label}", dirs, testcache.run_pytest_cached
+        )
+    else:
+        regressions_ok, regressions = True, "not run"
     problems = []
     if not on_branch:
         problems.append(f"the new tests did not run: see {rel(LOGS)}/")
@@ -239,21 +265,47 @@ def tests(
             "exception by type(err).__name__):\n  " + "\n  ".join(broken)
         )
     if not regressions_ok:
-        problems.append(f"tests/v1/core, tests/v1/simple_kv_offload:\n{regressions}")
+        problems.append(f"{' and '.join(dirs)}:\n{regressions}")
     summary = (
         f"{len(on_branch)} new tests ({', '.join(added)}): "
         f"{sum(o == 'passed' for o, _ in on_branch.values())} pass on the branch, "
-        f"{len(failing_on_base)} fail on the base. tests/v1/core and "
-        "tests/v1/simple_kv_offload: " + regressions.replace("\n", "; ")
+        f"{len(failing_on_base)} fail on the base. {selected}: "
+        + regressions.replace("\n", "; ")
     )
     return CheckResult(problems, summary)
+
+
+def ci_test_dirs(python: Path, worktree: Path, base: str) -> tuple[list[str], str]:
+    """Upstream's scheduler test dirs that vLLM's CI runs for the files the
+    patch changes (ci_selection.py, read from the branch's .buildkite/, with
+    the release's python, which has PyYAML), and a line saying so. All of
+    them when the pipeline cannot be read: never fewer than CI would run."""
+    changed = git(worktree, "diff", "--name-only", base, "HEAD").split()
+    proc = run(
+        [str(python), str(CI_SELECTION), str(worktree), ",".join(UPSTREAM_TESTS)]
+        + changed,
+        check=False,
+    )
+    try:
+        chosen = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        chosen = {"read": False}
+    if not chosen.get("read"):
+        return list(UPSTREAM_TESTS), (
+            f"{' and '.join(UPSTREAM_TESTS)} (vLLM's CI pipeline not readable "
+            "here: all of them)"
+        )
+    dirs = chosen["dirs"]
+    if not dirs:
+        return [], f"vLLM's CI runs none of {', '.join(UPSTREAM_TESTS)} for its files"
+    return dirs, f"{' and '.join(dirs)} (run by vLLM's CI for its files)"
 
 
 def _run(python: Path, tree: Path, files: list[str], label: str) -> dict:
     junit, log = LOGS / f"{label}.xml", LOGS / f"{label}.log"
     junit.unlink(missing_ok=True)
     args = ["--continue-on-collection-errors", *files]
-    run_pytest(python, tree, tree, junit, args, log)
+    testcache.run_pytest_cached(python, tree, tree, junit, args, log)
     return read_junit_details(junit)
 
 
@@ -274,6 +326,7 @@ def reproducers(
             ROOT,
             LOGS / f"{label}-reproducers-{kind}.xml",
             LOGS / f"{label}-reproducers-{kind}.log",
+            testcache.run_pytest_cached,
         )
         for kind, tree in (("before", base_tree), ("after", worktree))
     }
