@@ -1,6 +1,8 @@
 """Mamba hybrid layouts for the tests: an engine per mamba_cache_mode, the
-release's refusal of a connector's load with an align group as a skip, and
-a prompt left on the CPU only, for a later request to load."""
+release's refusal of a connector's load with an align group as a skip, a
+prompt left on the CPU only, for a later request to load, and one whose
+last attention blocks left the GPU prefix cache while its Mamba state
+stayed."""
 
 from __future__ import annotations
 
@@ -46,6 +48,23 @@ def prompt_on_the_cpu_only(e: Engine, prompt: list[int] = PROMPT) -> None:
     e.add_request(prompt, max_tokens=3)
     e.run()
     assert e.block_pool.reset_prefix_cache()
+
+
+def attention_evicted_past_the_mamba_state(
+    e: Engine, prompt: list[int], kept_blocks: int
+) -> None:
+    """Compute `prompt` (the connector stores it to the CPU), then evict its
+    attention blocks after the first `kept_blocks` from the GPU prefix cache,
+    as block pressure can, while its Mamba state block stays cached: for a
+    request that extends `prompt` the Mamba group hits deeper than full
+    attention."""
+    req_id = e.add_request(prompt, max_tokens=3)
+    e.step()
+    # Read while the request holds its blocks: group 0 is full attention.
+    attention_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+    e.run()
+    for block_id in attention_ids[kept_blocks:]:
+        e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
 
 
 def attention_blocks(e: Engine, req_id: str) -> set[int]:

@@ -1,5 +1,8 @@
-"""Probes of reports in upstream's record that the fork does not carry a fix
-for (docs/ledger-scan.md lists the scan; docs/ledger.md the rows).
+"""Probes of reports in upstream's record that the fork did not carry a fix
+for when they were scanned (docs/ledger-scan.md lists the scan;
+docs/ledger.md the rows). A row the fork came to carry on some releases
+keeps its probe, which then pins the bare releases' outcome and the
+series' alike.
 
 Each test pins what a release does, as its own code decides: the branch a
 release takes is chosen by the code that has the bug (an assertion's text,
@@ -19,6 +22,7 @@ import pytest
 from harness.engine import Engine, HarnessConfig
 from harness.mamba import (
     PROMPT,
+    attention_evicted_past_the_mamba_state,
     mamba_engine,
     prompt_on_the_cpu_only,
     skip_where_a_load_is_refused,
@@ -127,23 +131,22 @@ def test_a_mamba_align_request_asked_for_fewer_blocks_than_it_holds():
 def test_a_mamba_state_deeper_than_the_attention_hit():
     """A Mamba hybrid with a connector: the prompt's last attention blocks
     are evicted from the GPU prefix cache while its Mamba state block
-    survives. 0.24.0-0.26.0 take the deepest group's hit (max over the
-    groups) as the local hit, so the request skips tokens whose attention
-    KV nobody computes or loads: it reads zeroed blocks, no error
+    survives. Bare 0.24.0-0.26.0 take the deepest group's hit (max over
+    the groups) as the local hit, so the request skips tokens whose
+    attention KV nobody computes or loads: it reads zeroed blocks, no error
     (vllm#46453, fixed by vllm#48425 in 0.27.0). Up to 0.23.0 the local
-    hit is the groups' common one (0.19.0-0.22.1 refuse the load: a
-    skip); from 0.27.0 the attention group's."""
+    hit is the groups' common one (0.19.0-0.22.1 refuse the load: a skip);
+    from 0.27.0, and on the fork's series of 0.24.0-0.26.0 (the row is
+    carried there; its reproducer is
+    tests/reproducers/test_mamba_state_deeper_than_attention.py), the
+    attention group's, or the common one where a group hit deeper. Which
+    outcome is pinned follows the code: the max is what the fix removes."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     takes_max = source_has(Scheduler, "max(per_group_hits)")
     e = mamba_engine("align")
     prompt = list(range(100, 164))
-    a = e.add_request(prompt, max_tokens=3)
-    e.step()
-    attention_ids = e.scheduler.kv_cache_manager.get_block_ids(a)[0]
-    e.run()
-    for block_id in attention_ids[2:4]:
-        e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
+    attention_evicted_past_the_mamba_state(e, prompt, kept_blocks=2)
     e.add_request(prompt + EXTENSION, max_tokens=2)
     with skip_where_a_load_is_refused("align"):  # up to 0.22.1
         e.run()
