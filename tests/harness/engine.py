@@ -801,23 +801,10 @@ class Engine:
         """One engine step (see _step), with the scheduler's queues checked
         before it (what add_request and abort did since the last step) and
         after it."""
-        self._check_queues("before")
+        queue_state.check_step(self, "before")
         so = self._step()
-        self._check_queues("after")
+        queue_state.check_step(self, "after")
         return so
-
-    def _check_queues(self, when: str) -> None:
-        if not self.cfg.check_queues:
-            return
-        problems = queue_state.queue_violations(self.scheduler)
-        if not problems:
-            return
-        found = [f"{when} step {self.stats.steps}: {p}" for p in problems]
-        self.queue_violations += found
-        if self.raise_queue_violations:
-            raise queue_state.QueueViolation(
-                "the scheduler's queues are inconsistent:\n  " + "\n  ".join(found)
-            )
 
     def _step(self) -> SchedulerOutput | None:
         """One engine step. Synchronous: schedule, run, process the output.

@@ -195,12 +195,28 @@ def queue_violations(scheduler: Any) -> list[str]:
     return membership_violations(scheduler) + order_violations(scheduler)
 
 
-def assert_queues_ok(scheduler: Any, label: str = "queues") -> None:
-    problems = queue_violations(scheduler)
-    assert not problems, f"{label} are inconsistent:\n  " + "\n  ".join(problems)
-
-
 class QueueViolation(AssertionError):
     """Raised by Engine.step on a queue violation, so that a test fails at
     the step that broke a queue (distinct from the harness's other
     assertions, which some tests expect)."""
+
+
+def check_step(engine: Any, when: str) -> None:
+    """Engine.step's check: record each violation with the step it was
+    found at, and raise unless the engine only records them."""
+    if not engine.cfg.check_queues:
+        return
+    problems = queue_violations(engine.scheduler)
+    if not problems:
+        return
+    found = [f"{when} step {engine.stats.steps}: {p}" for p in problems]
+    engine.queue_violations += found
+    if engine.raise_queue_violations:
+        raise QueueViolation(
+            "the scheduler's queues are inconsistent:\n  " + "\n  ".join(found)
+        )
+
+
+def assert_queues_ok(scheduler: Any, label: str = "queues") -> None:
+    problems = queue_violations(scheduler)
+    assert not problems, f"{label} are inconsistent:\n  " + "\n  ".join(problems)
