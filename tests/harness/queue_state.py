@@ -119,7 +119,7 @@ def membership_violations(scheduler: Any) -> list[str]:
     return out
 
 
-# The release's own _update_request_as_session (0.20.2 to 0.33.0, base and
+# The release's own _update_request_as_session (0.19.0 to 0.33.0, base and
 # series alike) sets a waiting session's arrival_time to its next chunk's
 # while the session sits in a priority heap: its key grows in place, so it
 # sorts after a child it sits above. The series does not fix that (0009

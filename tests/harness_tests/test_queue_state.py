@@ -186,7 +186,7 @@ def test_engine_step_raises_or_records():
     raises=AssertionError,
     reason="upstream: _update_request_as_session sets a waiting session's "
     "arrival_time to its next chunk's while the session sits in the priority "
-    "heap (every release 0.20.2-0.33.0, base and series), so the heap's order "
+    "heap (every release 0.19.0-0.33.0, base and series), so the heap's order "
     "breaks; the series does not claim to fix it (0009 only stops relying on "
     "the heap's head)",
 )
