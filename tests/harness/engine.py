@@ -79,7 +79,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 from vllm.v1.structured_output import StructuredOutputManager
 
-from harness import end_state, reservation_check
+from harness import end_state, queue_state, reservation_check
 from harness.fake_cuda import CopyEngine, FakeCuda
 
 MODEL_DIR = Path(__file__).parent / "model"
@@ -168,6 +168,9 @@ class HarnessConfig:
     # recount (harness.reservation_check); off only where the recount's
     # cost would distort a timing (make bench).
     check_reservations: bool = True
+    # Check the scheduler's queues around every step (harness.queue_state);
+    # off only where the walk's cost would distort a timing (make bench).
+    check_queues: bool = True
 
     def group_kinds(self) -> list[str]:
         """Each KV cache group's kind, in group order: full, then swa, then
@@ -691,6 +694,11 @@ class Engine:
         self._guard_block_counts()
         if self.cfg.check_reservations:
             reservation_check.install(self.scheduler)
+        # Queue violations found by step(), each with the step it was found
+        # at. A test wants the first to fail it where it happened; a trace or
+        # soak worker records them instead (raise_queue_violations False).
+        self.queue_violations: list[str] = []
+        self.raise_queue_violations = True
 
     def _guard_block_counts(self) -> None:
         """Fail at once when the GPU pool is asked for more blocks than it
@@ -790,6 +798,15 @@ class Engine:
 
     # --- stepping -----------------------------------------------------------
     def step(self) -> SchedulerOutput | None:
+        """One engine step (see _step), with the scheduler's queues checked
+        before it (what add_request and abort did since the last step) and
+        after it."""
+        queue_state.check_step(self, "before")
+        so = self._step()
+        queue_state.check_step(self, "after")
+        return so
+
+    def _step(self) -> SchedulerOutput | None:
         """One engine step. Synchronous: schedule, run, process the output.
         With async scheduling or pipeline stages, as
         EngineCore.step_with_batch_queue: schedule and launch a step (when

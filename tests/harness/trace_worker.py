@@ -8,7 +8,8 @@ which requests were scheduled and for how many tokens, which were
 preempted and finished, the free GPU blocks, how many requests wait and
 how many of them wait for KV from the connector, and the blocks the
 connector loaded and stored. A crash (with where in vLLM it was raised)
-and the first invariant violation end the record. scripts/prove/differential.py
+and the first invariant violation (of the block pool, or of the scheduler's
+queues: harness.queue_state) end the record. scripts/prove/differential.py
 compares the records of the base and the series step by step. Any two
 accesses of a KV block that nothing orders (harness.fake_cuda's checker)
 are counted, with the first named.
@@ -32,6 +33,7 @@ from vllm.v1.request import RequestStatus
 from harness.end_state import end_state_violations
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import manager_violations
+from harness.queue_state import is_known_upstream
 from harness.soak_worker import where
 from harness.traces import FAMILIES, Event, Trace
 from harness.workloads import late_transfers
@@ -47,7 +49,10 @@ def engine_for(trace: Trace) -> Engine:
     cfg = dict(trace.cfg)
     most = cfg.pop("max_transfer_delay")
     delays = late_transfers(random.Random(trace.seed), most)
-    return Engine(HarnessConfig(**cfg, transfer_delay=delays))
+    e = Engine(HarnessConfig(**cfg, transfer_delay=delays))
+    # A queue violation is recorded like the pool's, not raised as a crash.
+    e.raise_queue_violations = False
+    return e
 
 
 def deliver(e: Engine, event: Event) -> None:
@@ -111,6 +116,10 @@ def run(seed: int, family: str = "mixed") -> dict[str, Any]:
         # fake CUDA's checker), and how many there were.
         "race": None,
         "races": 0,
+        # The first queue violation of the release's own in-place session
+        # key change (harness.queue_state.KNOWN_SESSION_KEY): recorded, and
+        # the trace goes on, as it does on the base.
+        "known_queue": None,
     }
     steps = out["steps"]
     e = None
@@ -136,6 +145,11 @@ def run(seed: int, family: str = "mixed") -> dict[str, Any]:
             if problems := manager_violations(e.scheduler.kv_cache_manager):
                 out["violation"] = f"step {step}: {problems[0]}"
                 break
+            if new := [q for q in e.queue_violations if not is_known_upstream(q)]:
+                out["violation"] = f"queue: {new[0]}"
+                break
+            if out["known_queue"] is None and e.queue_violations:
+                out["known_queue"] = e.queue_violations[0]
             if e.runner.violations:
                 out["violation"] = f"content: {e.runner.violations[0]}"
                 break
