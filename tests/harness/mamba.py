@@ -1,8 +1,8 @@
 """Mamba hybrid layouts for the tests: an engine per mamba_cache_mode, the
 release's refusal of a connector's load with an align group as a skip, a
-prompt left on the CPU only, for a later request to load, and one whose
-last attention blocks left the GPU prefix cache while its Mamba state
-stayed."""
+prompt left on the CPU only, for a later request to load, one whose last
+attention blocks left the GPU prefix cache while its Mamba state stayed,
+and the groups marked EAGLE/MTP as a model with a drafter has them."""
 
 from __future__ import annotations
 
@@ -78,3 +78,21 @@ def attention_blocks(e: Engine, req_id: str) -> set[int]:
         if "Mamba" not in type(group.kv_cache_spec).__name__
         for b in group_ids
     }
+
+
+def enable_eagle(e: Engine) -> None:
+    """Mark every KV cache group of the hybrid coordinator as an EAGLE/MTP
+    group, as a model with an EAGLE drafter has them (the harness has no
+    drafter: only the prefix lookup's EAGLE rules are exercised)."""
+    coordinator = e.scheduler.kv_cache_manager.coordinator
+    groups = coordinator.attention_groups
+    if hasattr(coordinator, "eagle_attn_group_indices"):  # 0.20.0-0.25.1
+        coordinator.eagle_attn_group_indices = set(range(len(groups)))
+    elif "use_eagle" in getattr(groups[0], "_fields", ()):  # 0.26.0 on
+        coordinator.attention_groups = [g._replace(use_eagle=True) for g in groups]
+        for manager in coordinator.single_type_managers:
+            manager.use_eagle = True
+    else:  # 0.19.x: one flag for the coordinator
+        coordinator.use_eagle = True
+    if hasattr(coordinator, "eagle_group_ids"):
+        coordinator.eagle_group_ids = set(range(len(coordinator.single_type_managers)))

@@ -1,0 +1,63 @@
+"""Reproducer for patch 0018: with EAGLE/MTP, a Mamba hybrid's prefix hit
+never counts an attention block the drafter's drop removed.
+
+With a drafter, the prefix lookup matches each EAGLE group one block past
+the candidate length and drops that block again, so that the drafter
+recomputes the hidden states of the hit's last block. The drop is made by
+the attention groups' lookups; a Mamba group's lookup drops nothing (the
+drafter has no Mamba layers). 0.20.0-0.25.1 give every EAGLE group the
+margin, the Mamba group too: on a full-attention + Mamba hybrid the
+attention group hits three blocks of a cached 64-token prefix (four found,
+the last dropped), the Mamba group the state after 64 tokens, and the hit
+length follows the Mamba group. The request then starts at token 64 with
+three attention blocks: the fourth is allocated, zeroed, never computed,
+and read by every step after (vllm-project/vllm#43559's accuracy drop, no
+error). From 0.26.0 a Mamba group gets no margin. The harness has no
+drafter: the groups are marked EAGLE on the coordinator, as a model with
+one has them, and only the prefix lookup's rules run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.engine import Engine
+from harness.mamba import enable_eagle, mamba_engine
+
+PREFIX = list(range(100, 164))  # four blocks of 16
+EXTENSION = list(range(900, 917))
+
+
+def hit_of(e: Engine, req_id: str) -> int:
+    """Run `e` until idle; the tokens `req_id` took from the prefix cache."""
+    hit = None
+    while e.busy():
+        so = e.step()
+        for new in so.scheduled_new_reqs if so else ():
+            if new.req_id == req_id and hit is None:
+                hit = new.num_computed_tokens
+    assert hit is not None, f"{req_id} was never scheduled"
+    return hit
+
+
+@pytest.mark.parametrize(
+    "chunk", [128, 16], ids=["prefix-in-one-step", "prefix-block-by-block"]
+)
+def test_the_hit_stops_at_the_attention_blocks(chunk):
+    """`chunk` is the step's token budget: 128 computes the prefix in one
+    step (align mode keeps the Mamba state after 64 tokens only), 16 in
+    four (the state after each block is kept, so a shorter hit exists)."""
+    e = mamba_engine("align", offload=False, max_num_batched_tokens=chunk)
+    enable_eagle(e)
+    e.add_request(PREFIX, max_tokens=3)
+    e.run()
+    req_id = e.add_request(PREFIX + EXTENSION, max_tokens=2)
+    hit = hit_of(e, req_id)
+    assert e.runner.violations == [], (
+        f"a prefix hit of {hit} tokens read attention KV never computed:\n  "
+        + "\n  ".join(str(v) for v in e.runner.violations)
+    )
+    if chunk == 16:
+        # Still a hit: the attention group's three blocks, where the Mamba
+        # group has a state too.
+        assert hit == 48
