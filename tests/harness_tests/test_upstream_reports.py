@@ -94,37 +94,6 @@ def test_a_cpu_hit_on_a_mamba_align_hybrid():
     assert loaded_blocks(e), "the extension loads its prefix from the CPU"
 
 
-# --- ledger row mamba-align-shrinking-drafts ----------------------------------
-
-
-def test_a_mamba_align_request_asked_for_fewer_blocks_than_it_holds():
-    """Speculative decoding with a draft count that changes (suffix or
-    n-gram drafts): a step asks allocate_slots for its token and 20
-    drafts, all are rejected, and the next step asks for one token, fewer
-    blocks than the request holds. Up to 0.22.1 MambaManager (align mode)
-    asserts 'num_required_blocks N < len(req_blocks) M' (vllm#39271,
-    fixed by vllm#39562 in 0.23.0); later releases allocate nothing."""
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-
-    asserts = source_has(MambaManager.allocate_new_blocks, "} < len(req_blocks) {")
-    e = mamba_engine("align", offload=False)
-    r = e.add_request(PROMPT, max_tokens=8)
-    req = e.requests[r]
-    while req.num_computed_tokens < len(PROMPT):  # one chunk or more
-        e.step()
-    manager = e.scheduler.kv_cache_manager
-    computed = req.num_computed_tokens
-    assert computed == len(PROMPT)
-    assert manager.allocate_slots(req, 1 + 20) is not None
-    # Every draft rejected: the step computed one token.
-    req.num_computed_tokens = computed + 1
-    if asserts:
-        with pytest.raises(AssertionError, match="num_required_blocks"):
-            manager.allocate_slots(req, 1)
-    else:
-        assert manager.allocate_slots(req, 1) is not None
-
-
 # --- ledger row hybrid-connector-hit-divergence -------------------------------
 
 
