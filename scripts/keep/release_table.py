@@ -4,7 +4,9 @@
 Patches are named by their number in the default series (patches/, on
 0.20.2), matched by subject: a series for another release renumbers the
 patches it keeps (0006 is 0003 on 0.33.0). A release whose series lacks a
-patch has it upstream there (REBASE.md of that series says why).
+patch has it upstream there (REBASE.md of that series says why), or, where
+the ledger (scripts/data/ledger.toml) says the bug starts in a later
+release, never had the bug: '-'.
 
   python3 scripts/keep/release_table.py  prints the table
 """
@@ -12,6 +14,7 @@ patch has it upstream there (REBASE.md of that series says why).
 from __future__ import annotations
 
 import sys
+import tomllib
 from pathlib import Path
 
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
@@ -19,9 +22,10 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from lib.cli import main_guard, parser
 from lib.errors import ForkError
-from lib.paths import DEFAULT_SERIES, rel
+from lib.paths import DEFAULT_SERIES, ROOT, rel
 from lib.series import Series, find_series, version_key
 
+LEDGER = ROOT / "scripts" / "data" / "ledger.toml"
 BEGIN = "<!-- release table: scripts/keep/release_table.py writes this -->"
 END = "<!-- end of release table -->"
 
@@ -60,6 +64,22 @@ def release_patches(default: Series, all_series: list[Series]) -> dict[str, str]
     return labels
 
 
+def first_affected(ledger: Path = LEDGER) -> dict[str, str]:
+    """The first release each carried patch's bug is in, by the patch's
+    subject: the earliest start of the ledger rows it carries. Read from the
+    data file, not through keep.ledger, which imports this module."""
+    if not ledger.is_file():
+        return {}
+    first: dict[str, str] = {}
+    for row in tomllib.loads(ledger.read_text()).get("bug", []):
+        subject, span = row.get("patch"), row.get("affected")
+        if row.get("verdict") != "carried" or not subject or not span:
+            continue
+        if subject not in first or version_key(span[0]) < version_key(first[subject]):
+            first[subject] = span[0]
+    return first
+
+
 def table(all_series: list[Series] | None = None) -> str:
     all_series = all_series or find_series()
     default = all_series[0]
@@ -70,10 +90,20 @@ def table(all_series: list[Series] | None = None) -> str:
         "| release | series | " + " | ".join([*numbers, *extra.values()]) + " |",
         "| --- | --- |" + " :-: |" * (len(numbers) + len(extra)),
     ]
+    starts = first_affected()
+    start_of = {p.name[:4]: starts.get(p.subject()) for p in default.patches()}
     for s in rows:
         have = set(carried(default, s, extra))
         where = rel(s.dir) + "/"
-        cells = ["yes" if n in have else "upstream" for n in numbers]
+        version = version_key(s.base().version)
+        cells = [
+            "yes"
+            if n in have
+            else "-"
+            if start_of[n] and version < version_key(start_of[n])
+            else "upstream"
+            for n in numbers
+        ]
         cells += ["yes" if n in have else "-" for n in extra.values()]
         lines.append(f"| {s.base().version} | `{where}` | " + " | ".join(cells) + " |")
     if extra:

@@ -288,3 +288,37 @@ def test_make_matrix_shows_the_ledger_from_the_data_and_the_series():
     assert (
         "| async-window-blocks | fixed by the fork (patch 0012) | fixed upstream |"
     ) in md.splitlines()
+
+
+def test_the_release_table_marks_releases_before_a_bug_with_a_dash(tmp_path):
+    """A default-series patch a release's series lacks is 'upstream' there,
+    unless the ledger's carried rows say its bug starts later: '-'."""
+    data = tmp_path / "ledger.toml"
+    data.write_text(
+        """
+[[bug]]
+verdict = "carried"
+patch = "Fix A"
+affected = ["0.20.0", "0.25.1"]
+
+[[bug]]
+verdict = "carried"
+patch = "Fix A"
+affected = ["0.19.1", "0.20.2"]
+
+[[bug]]
+verdict = "cannot-yet"
+affected = ["0.19.0", "0.33.0"]
+"""
+    )
+    assert release_table.first_affected(data) == {"Fix A": "0.19.1"}
+    assert release_table.first_affected(tmp_path / "none.toml") == {}
+    # The committed table: 0018's bug starts in 0.20.0 (row
+    # eagle-mamba-hit-mismatch), so 0.19.x never had it.
+    row = next(
+        line
+        for line in release_table.table().splitlines()
+        if line.startswith("| 0.19.0 |")
+    )
+    header = release_table.table().splitlines()[0].split("|")
+    assert row.split("|")[header.index(" 0018 ")].strip() == "-"
