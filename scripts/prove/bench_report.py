@@ -178,6 +178,8 @@ def scale_table(
     for c in cells:
         step, drain = c.step_ratio(), c.drain_ratio()
         flags = [w for w, r in (("step", step), ("total", drain)) if r and r.flagged()]
+        if c.bytecode_ratio().endswith("**!**"):
+            flags.append("bytecodes")
         if flags:
             flagged.append(f"{c.row} at {c.size:,} ({', '.join(flags)})")
         out.append(

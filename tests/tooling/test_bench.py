@@ -119,6 +119,8 @@ def test_the_bytecodes_counted_show_as_a_ratio_flagged_past_the_target():
         if x.startswith("| p | 64 |")
     )
     assert "| 1.040 |" in row
+    text = "\n".join(scale_table("v0.20.2", [counted, heavier], {"p": "p"}, 3))
+    assert "p at 512 (bytecodes)" in text and "p at 64" not in text
 
 
 def test_a_cut_cell_shows_bounds_and_its_exponent_too():
