@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from harness.engine import Engine
-from harness.mamba import enable_eagle, mamba_engine
+from harness.mamba import enable_eagle, mamba_engine, skip_where_a_load_is_refused
 
 PREFIX = list(range(100, 164))  # four blocks of 16
 EXTENSION = list(range(900, 917))
@@ -61,3 +61,24 @@ def test_the_hit_stops_at_the_attention_blocks(chunk):
         # Still a hit: the attention group's three blocks, where the Mamba
         # group has a state too.
         assert hit == 48
+
+
+def test_the_hit_stops_at_the_attention_blocks_with_a_connector():
+    """The same prefix with the CPU offload connector configured. On
+    0.24.0-0.25.1 a connector's local hit comes from the scheduler's
+    per-group lookup, not the coordinator's, and there only the patch after
+    0018 (R6, "Mamba hybrids with a KV connector: no local hit deeper than
+    full attention's") keeps the hit at the attention blocks: 0018 holds
+    with a connector only with R6 beneath it (the ledger's row
+    eagle-mamba-hit-mismatch). Not a trailer test: it guards the pair."""
+    e = mamba_engine("align", max_num_batched_tokens=128)
+    enable_eagle(e)
+    with skip_where_a_load_is_refused("align"):
+        e.add_request(PREFIX, max_tokens=3)
+        e.run()
+        req_id = e.add_request(PREFIX + EXTENSION, max_tokens=2)
+        hit = hit_of(e, req_id)
+    assert e.runner.violations == [], (
+        f"a prefix hit of {hit} tokens read attention KV never computed:\n  "
+        + "\n  ".join(str(v) for v in e.runner.violations)
+    )
