@@ -103,7 +103,7 @@ canary: ## the newest series on upstream main: applies / redundant / conflicts p
 	$(PYTHON) scripts/keep/canary.py $(if $(UPSTREAM),--upstream $(UPSTREAM)) $(if $(REF),--ref $(REF)) \
 		$(if $(filter command line environment,$(origin SERIES)),--series $(SERIES)) $(ARGS)
 
-bench: ## speed, base against series: allocator, scheduler at scale on 0.20.2 and 0.33.0 (ARGS="--part server": vllm serve; --only, --sizes, --rounds)
+bench: ## speed, base against series: allocator, scheduler at scale, vllm serve, on 0.20.2 and 0.33.0 (ARGS: --part, --only, --sizes, --rounds)
 	$(PYTHON) scripts/prove/bench.py $(if $(filter command line environment,$(origin SERIES)),--series $(SERIES)) $(ARGS)
 
 e2e: apply ## the real vllm serve on a CPU, base against series, via the openai client (.work/e2e/)

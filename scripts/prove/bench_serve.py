@@ -88,7 +88,9 @@ def serve_part(
     python: Path, trees: dict[str, Path], version: str, args
 ) -> dict[str, dict[str, list[ServeRun]]]:
     """Each configuration's runs, per tree."""
-    rounds = args.rounds or 3
+    # Five pairs of runs: a run of wall time on shared cores moves by a
+    # quarter from one to the next, and the ratio is the median pair's.
+    rounds = args.rounds or 5
     results: dict[str, dict[str, list[ServeRun]]] = {}
     for name, serve in CONFIGS.items():
         if args.only and not any(o in name for o in args.only):
