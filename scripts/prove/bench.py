@@ -3,7 +3,7 @@
 
 For each series (by default the default release's, patches/, and the
 newest release's) it builds .work/v<version>/{base,series} as `make test`
-does and measures both trees in one run, in two parts, and a third on request:
+does and measures both trees in one run, in three parts:
 
   allocator  the allocator's hot paths (pool get/free, allocate_slots):
              each tree's median time and base/series, the median of the
