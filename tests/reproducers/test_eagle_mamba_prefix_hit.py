@@ -40,14 +40,9 @@ def hit_of(e: Engine, req_id: str) -> int:
     return hit
 
 
-@pytest.mark.parametrize(
-    "chunk", [128, 16], ids=["prefix-in-one-step", "prefix-block-by-block"]
-)
-def test_the_hit_stops_at_the_attention_blocks(chunk):
-    """`chunk` is the step's token budget: 128 computes the prefix in one
-    step (align mode keeps the Mamba state after 64 tokens only), 16 in
-    four (the state after each block is kept, so a shorter hit exists)."""
-    e = mamba_engine("align", offload=False, max_num_batched_tokens=chunk)
+def extended_prefix_hit(e: Engine) -> int:
+    """Cache PREFIX, then run PREFIX + EXTENSION: its prefix hit, checked to
+    read no attention KV that was never computed."""
     enable_eagle(e)
     e.add_request(PREFIX, max_tokens=3)
     e.run()
@@ -56,6 +51,19 @@ def test_the_hit_stops_at_the_attention_blocks(chunk):
     assert e.runner.violations == [], (
         f"a prefix hit of {hit} tokens read attention KV never computed:\n  "
         + "\n  ".join(str(v) for v in e.runner.violations)
+    )
+    return hit
+
+
+@pytest.mark.parametrize(
+    "chunk", [128, 16], ids=["prefix-in-one-step", "prefix-block-by-block"]
+)
+def test_the_hit_stops_at_the_attention_blocks(chunk):
+    """`chunk` is the step's token budget: 128 computes the prefix in one
+    step (align mode keeps the Mamba state after 64 tokens only), 16 in
+    four (the state after each block is kept, so a shorter hit exists)."""
+    hit = extended_prefix_hit(
+        mamba_engine("align", offload=False, max_num_batched_tokens=chunk)
     )
     if chunk == 16:
         # Still a hit: the attention group's three blocks, where the Mamba
@@ -72,13 +80,5 @@ def test_the_hit_stops_at_the_attention_blocks_with_a_connector():
     with a connector only with R6 beneath it (the ledger's row
     eagle-mamba-hit-mismatch). Not a trailer test: it guards the pair."""
     e = mamba_engine("align", max_num_batched_tokens=128)
-    enable_eagle(e)
     with skip_where_a_load_is_refused("align"):
-        e.add_request(PREFIX, max_tokens=3)
-        e.run()
-        req_id = e.add_request(PREFIX + EXTENSION, max_tokens=2)
-        hit = hit_of(e, req_id)
-    assert e.runner.violations == [], (
-        f"a prefix hit of {hit} tokens read attention KV never computed:\n  "
-        + "\n  ".join(str(v) for v in e.runner.violations)
-    )
+        extended_prefix_hit(e)
