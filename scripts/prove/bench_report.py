@@ -241,34 +241,51 @@ class ServeRun:
     seconds: float
     latencies: list[float]  # of the requests that were answered
     errors: int = 0
+    # CPU time the server's processes spent on the run: what the scheduler's
+    # cost shows in, where the run's wall time also carries the client's and
+    # the rest of the machine's share of the cores.
+    cpu_seconds: float = 0.0
 
     @property
     def rate(self) -> float:
         return self.requests / self.seconds if self.seconds > 0 else 0.0
 
+    @property
+    def cpu_per_request(self) -> float:
+        return self.cpu_seconds / self.requests if self.requests else math.nan
+
+
+def paired_median(base: list[float], series: list[float]) -> float:
+    """The median of the round-by-round series/base ratios (nan if none)."""
+    ratios = [s / b for b, s in zip(base, series, strict=True) if b > 0]
+    return statistics.median(ratios) if ratios else math.nan
+
 
 def serve_table(release: str, runs: dict[str, dict[str, list[ServeRun]]]) -> list[str]:
     """The markdown table of one release's real-server rows: per
-    configuration, each tree's requests/s (median of its runs) and latency
-    percentiles (over all its answered requests)."""
+    configuration, each tree's requests/s (median of its runs), latency
+    percentiles (over all its answered requests) and the server's CPU time
+    per answered request (median of its runs). Both ratios read as capacity,
+    series over base: the rates', and the base's CPU per request over the
+    series'."""
     out = [
         f"### The real server, {release}: series/base",
         "",
         "| configuration | base req/s | series req/s | series/base "
-        "| base p50/p99 ms | series p50/p99 ms | errors base/series |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| base p50/p99 ms | series p50/p99 ms | server CPU ms/req base/series "
+        "| CPU base/series | errors base/series |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     flagged = []
     for name, kinds in runs.items():
         base, series = kinds["base"], kinds["series"]
-        ratios = [
-            s.rate / b.rate for b, s in zip(base, series, strict=True) if b.rate > 0
-        ]
-        ratio = statistics.median(ratios) if ratios else math.nan
-        mark = ""
-        if ratio < SERVE_TARGET:
+        ratio = paired_median([r.rate for r in base], [r.rate for r in series])
+        cpu_ratio = paired_median(
+            [r.cpu_per_request for r in series], [r.cpu_per_request for r in base]
+        )
+        marks = [" **!**" if v < SERVE_TARGET else "" for v in (ratio, cpu_ratio)]
+        if any(marks):
             flagged.append(name)
-            mark = " **!**"
         cells = []
         for runs_of in (base, series):
             lat = [x for r in runs_of for x in r.latencies]
@@ -277,10 +294,16 @@ def serve_table(release: str, runs: dict[str, dict[str, list[ServeRun]]]) -> lis
                 if lat
                 else "-"
             )
+        cpu = [
+            f"{1e3 * statistics.median(r.cpu_per_request for r in runs_of):.1f}"
+            for runs_of in (base, series)
+        ]
         out.append(
             f"| {name} | {statistics.median(r.rate for r in base):.1f} | "
-            f"{statistics.median(r.rate for r in series):.1f} | {ratio:.2f}{mark} | "
-            f"{cells[0]} | {cells[1]} | {sum(r.errors for r in base)}/"
+            f"{statistics.median(r.rate for r in series):.1f} | "
+            f"{ratio:.2f}{marks[0]} | "
+            f"{cells[0]} | {cells[1]} | {cpu[0]}/{cpu[1]} | "
+            f"{cpu_ratio:.2f}{marks[1]} | {sum(r.errors for r in base)}/"
             f"{sum(r.errors for r in series)} |"
         )
     out.append("")

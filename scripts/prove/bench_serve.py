@@ -8,8 +8,12 @@ turn with the openai client (scripts/prove/e2e_load.py, workload "bench":
 --serve-requests plain requests at --concurrency), the order alternating
 round by round. A run's requests/s are its answered requests over its
 wall time; its latencies are each answered request's, send to answer.
-Wall time, not CPU time: the server's processes, the client and the rest of
-the machine share its cores, so keep the machine otherwise quiet.
+Wall time: the server's processes, the client and the rest of the machine
+share its cores, so keep the machine otherwise quiet. Each run also
+records the CPU time of the server's processes (Server.cpu_seconds), per
+answered request: on a machine with fewer cores than the server and its
+client use, wall time moves by a quarter from run to run, and the CPU time
+is where the series' cost shows.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def started(
 
 
 def one_run(python: Path, server: Server, args) -> ServeRun:
+    cpu_before = server.cpu_seconds()
     proc = run(
         [
             str(python),
@@ -71,6 +76,7 @@ def one_run(python: Path, server: Server, args) -> ServeRun:
         check=False,
         capture=True,
     )
+    cpu_seconds = server.cpu_seconds() - cpu_before
     try:
         result = json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError) as e:
@@ -81,6 +87,7 @@ def one_run(python: Path, server: Server, args) -> ServeRun:
         seconds=result["seconds"],
         latencies=latencies,
         errors=len(result["outcomes"]) - len(latencies),
+        cpu_seconds=cpu_seconds,
     )
 
 
@@ -121,7 +128,9 @@ def serve_part(
                     got = runs[kind][-1]
                     say(
                         f"    {kind}: {got.requests} answered in {got.seconds:.1f}s "
-                        f"({got.rate:.1f}/s), {got.errors} not"
+                        f"({got.rate:.1f}/s, server CPU "
+                        f"{1e3 * got.cpu_per_request:.1f} ms each), "
+                        f"{got.errors} not"
                     )
             for kind, server in servers.items():
                 if server.health() != 200:

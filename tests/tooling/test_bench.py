@@ -134,12 +134,27 @@ def test_a_cut_cell_shows_bounds_and_its_exponent_too():
 
 
 def test_the_serve_table_flags_a_slower_series():
-    fast = [ServeRun(100, 1.0, [0.1] * 100)] * 2
-    slow = [ServeRun(90, 1.0, [0.2] * 90, errors=10)] * 2
+    fast = [ServeRun(100, 1.0, [0.1] * 100, cpu_seconds=1.0)] * 2
+    slow = [ServeRun(90, 1.0, [0.2] * 90, errors=10, cpu_seconds=0.9)] * 2
     lines = serve_table("v0.33.0", {"plain": {"base": fast, "series": slow}})
     row = next(x for x in lines if x.startswith("| plain |"))
-    assert row == "| plain | 100.0 | 90.0 | 0.90 **!** | 100/100 | 200/200 | 0/20 |"
+    assert row == (
+        "| plain | 100.0 | 90.0 | 0.90 **!** | 100/100 | 200/200 | 10.0/10.0 "
+        "| 1.00 | 0/20 |"
+    )
     assert "below 0.98: plain" in "\n".join(lines)
+
+
+def test_the_serve_table_flags_a_series_that_spends_more_cpu_per_request():
+    # Wall time alike (a shared machine), the series' server busier: only
+    # the CPU ratio, base per request over series', shows the cost.
+    base = [ServeRun(100, 1.0, [0.1] * 100, cpu_seconds=1.0)] * 3
+    series = [ServeRun(100, 1.0, [0.1] * 100, cpu_seconds=1.25)] * 3
+    lines = serve_table("v0.20.2", {"offload": {"base": base, "series": series}})
+    row = next(x for x in lines if x.startswith("| offload |"))
+    assert "| 1.00 |" in row
+    assert "| 10.0/12.5 | 0.80 **!** |" in row
+    assert "below 0.98: offload" in "\n".join(lines)
 
 
 def test_percentiles_interpolate_between_ranks():

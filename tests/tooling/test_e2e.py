@@ -6,6 +6,7 @@ make e2e; these check what decides pass or fail, without a server.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,30 @@ def test_a_server_that_exits_at_start_is_a_clear_error(tmp_path: Path):
     with pytest.raises(ForkError, match=r"exited \(3\) before it was ready"), server:
         pass
     assert "no such model" in log.read_text()
+
+
+def test_a_servers_cpu_time_counts_every_process_of_its_session(tmp_path: Path):
+    # A stand-in server: a parent that sleeps and a child that burns about
+    # 0.3 s of CPU, both in the session Popen starts; cpu_seconds counts the
+    # child's time too (EngineCore is the API server's child).
+    import subprocess
+    import sys
+
+    burn = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', "
+        "'import time\\nt = time.process_time()\\n"
+        "while time.process_time() - t < 0.3: pass\\ntime.sleep(60)'])\n"
+        "time.sleep(60)\n"
+    )
+    server = Server(Path(sys.executable), tmp_path, "0.0.0", [], {}, tmp_path / "l")
+    assert server.cpu_seconds() == 0.0  # not started
+    server.proc = subprocess.Popen([sys.executable, "-c", burn], start_new_session=True)
+    try:
+        for _ in range(100):
+            if server.cpu_seconds() >= 0.3:
+                break
+            time.sleep(0.1)
+        assert server.cpu_seconds() >= 0.3
+    finally:
+        server.stop()
