@@ -31,6 +31,10 @@ class Round:
     window_cut: bool = False  # the CPU limit cut the window: a lower bound
     drain_cut: bool = False  # the CPU limit cut the drain: a lower bound
     steps: int = 0  # steps taken (to drain, when drained)
+    # Scheduler CPU per token the window's steps scheduled (None: no token
+    # counted). Where the trees decide differently, a tree that drains in
+    # fewer steps schedules more in each: this compares the same work.
+    token_seconds: float | None = None
 
     @classmethod
     def from_worker(cls, answer: dict) -> Round:
@@ -38,12 +42,15 @@ class Round:
         # A cut window still had all its steps ahead of it: its mean over
         # the whole window is at least what it used divided by the window.
         steps = answer["window"] if answer["window_cut"] else len(per_step)
+        # The cut step's tokens are not counted: a lower bound as well.
+        tokens = sum(answer.get("step_tokens", ()))
         return cls(
             step_seconds=sum(per_step) / max(1, steps),
             drain_seconds=answer["drain_seconds"],
             window_cut=answer["window_cut"],
             drain_cut=answer["over_limit"],
             steps=answer["steps"],
+            token_seconds=sum(per_step) / tokens if tokens else None,
         )
 
 
@@ -74,6 +81,23 @@ class Cell:
             [(b.step_seconds, b.window_cut) for b in self.base],
             [(s.step_seconds, s.window_cut) for s in self.series],
         )
+
+    def token_ratio(self) -> Ratio | None:
+        """Series/base of the CPU per scheduled token in the window."""
+        rounds = self.base + self.series
+        if not rounds or any(r.token_seconds is None for r in rounds):
+            return None
+        return ratio_of(
+            [(b.token_seconds or 0.0, b.window_cut) for b in self.base],
+            [(s.token_seconds or 0.0, s.window_cut) for s in self.series],
+        )
+
+    def schedules_differ(self) -> bool:
+        """Whether the trees drained the first round in different numbers
+        of steps: they decided differently, and a step is not the same work."""
+        b, s = self.base[0], self.series[0]
+        drained = b.drain_seconds is not None and not (b.drain_cut or s.drain_cut)
+        return drained and b.steps != s.steps
 
     def drain_ratio(self) -> Ratio | None:
         if any(r.drain_seconds is None for r in self.base + self.series):
@@ -170,22 +194,28 @@ def scale_table(
         f"### Scheduler at scale, {release}: series/base",
         "",
         "| row | requests | base ms/step | series ms/step | series/base "
-        "| total CPU series/base | bytecodes series/base "
-        "| drain steps base/series |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| per scheduled token series/base | total CPU series/base "
+        "| bytecodes series/base | drain steps base/series |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    flagged = []
+    flagged, differ = [], []
     for c in cells:
-        step, drain = c.step_ratio(), c.drain_ratio()
+        step, token, drain = c.step_ratio(), c.token_ratio(), c.drain_ratio()
         flags = [w for w, r in (("step", step), ("total", drain)) if r and r.flagged()]
+        if "step" in flags and c.schedules_differ() and token and not token.flagged():
+            # The series' step does more work, at no more cost per token.
+            flags.remove("step")
+            differ.append(f"{c.row} at {c.size:,}")
+        elif token and token.flagged():
+            flags.append("per token")
         if c.bytecode_ratio().endswith("**!**"):
             flags.append("bytecodes")
         if flags:
             flagged.append(f"{c.row} at {c.size:,} ({', '.join(flags)})")
         out.append(
             f"| {c.row} | {c.size:,} | {c.step_ms('base').show()} | "
-            f"{c.step_ms('series').show()} | {shown(step)} | {shown(drain)} | "
-            f"{c.bytecode_ratio()} | {c.drain_steps()} |"
+            f"{c.step_ms('series').show()} | {shown(step)} | {shown(token)} | "
+            f"{shown(drain)} | {c.bytecode_ratio()} | {c.drain_steps()} |"
         )
     out += [
         "",
@@ -209,13 +239,20 @@ def scale_table(
         f"'>': a lower bound (the round reached its CPU limit); '-': not "
         f"measured (total CPU is measured where the burst is drained). Where "
         f"the trees drain in different numbers of steps, the total compares "
-        f"the work; a step of a tree that takes fewer does more. Bytecodes: "
+        f"the work; a step of a tree that takes fewer does more, and the CPU "
+        f"per token the window's steps scheduled compares the same work. "
+        f"Bytecodes: "
         f"the Python bytecodes the scheduler executed to drain one burst, "
         f"series/base, counted (not timed): the same on any machine to about "
         f"0.1 %."
     )
     if flagged:
         out.append(f"**!** above {SCALE_TARGET}: " + "; ".join(flagged) + ".")
+    if differ:
+        out.append(
+            "Schedules differ, per step above the target, per scheduled token "
+            "within it (a step of the series does more): " + "; ".join(differ) + "."
+        )
     return out + [""]
 
 

@@ -330,6 +330,9 @@ class Bench:
         timed = Timed(e)
         before = counters(e)
         per_step: list[float] = []
+        # Tokens each window step scheduled: where the trees decide
+        # differently, a step that schedules more does more.
+        step_tokens: list[int] = []
         # Steps taken, and of them in the current burst's window.
         steps = [0, 0]
         over = window_cut = False
@@ -347,17 +350,21 @@ class Bench:
                     while e.busy() and (drain or steps[1] < window):
                         if steps[0] >= MAX_STEPS:
                             raise RuntimeError(f"not drained in {MAX_STEPS} steps")
+                        tokens = e.stats.scheduled_tokens
                         e.step()
-                        self._count(timed, window, per_step, steps)
+                        if self._count(timed, window, per_step, steps):
+                            step_tokens.append(e.stats.scheduled_tokens - tokens)
         except OverLimit:
             over = True
-            # The step cut short took at least what it used.
+            # The step cut short took at least what it used (its tokens are
+            # not counted: a bound on the cost per token too).
             window_cut = self._count(timed, window, per_step, steps)
         finally:
             gc.enable()
         after = counters(e)
         return {
             "step_seconds": per_step,
+            "step_tokens": step_tokens,
             "window": window * bursts,
             "bursts": bursts,
             # Per burst.

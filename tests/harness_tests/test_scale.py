@@ -17,6 +17,9 @@ def test_every_row_drains_its_bursts(row):
     assert result["steps"] > 0 and result["scheduled_tokens"] > 0
     # Every step of a burst this small is in its window.
     assert len(result["step_seconds"]) == 2 * result["steps"]
+    # And each window step's tokens are counted, all of them.
+    assert len(result["step_tokens"]) == len(result["step_seconds"])
+    assert sum(result["step_tokens"]) == result["scheduled_tokens"]
 
 
 @pytest.mark.parametrize("row", ["offload-tight", "offload-async"])

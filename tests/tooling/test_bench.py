@@ -99,11 +99,43 @@ def test_the_scale_table_flags_the_cells_past_the_target():
     text = "\n".join(lines)
     plain_4096 = next(x for x in lines if x.startswith("| plain | 4,096 |"))
     assert plain_4096.count("1.20 **!**") == 2  # per step and in total
-    assert "| plain | 10,000 | 1.00 | 1.00 | 1.00 | - | - | - |" in lines
+    assert "| plain | 10,000 | 1.00 | 1.00 | 1.00 | - | - | - | - |" in lines
     assert "plain at 4,096 (step, total)" in text
     slope = fit_exponent([(512, 1.0), (4096, 1.2), (10_000, 1.0)])
     assert f"| plain | p | 0.00 | {slope:.2f} |" in lines  # the exponents
     assert "| burst | b | - | - |" in lines  # one size: no fit
+
+
+def test_a_longer_step_that_schedules_more_is_judged_per_token():
+    # The series drains in half the steps, each scheduling twice the tokens
+    # at 1.9x the CPU: per step 1.90, per token 0.95, not flagged; noted.
+    answers = {
+        "base": answer([1.0] * 4, drain=40.0, window=4) | {"steps": 40},
+        "series": answer([1.9] * 4, drain=38.0, window=4) | {"steps": 20},
+    }
+    answers["base"]["step_tokens"] = [100] * 4
+    answers["series"]["step_tokens"] = [200] * 4
+    halved = Cell("offload-tight", 512)
+    halved.base = [Round.from_worker(answers["base"])] * 3
+    halved.series = [Round.from_worker(answers["series"])] * 3
+    assert halved.schedules_differ()
+    assert halved.token_ratio() == Ratio(pytest.approx(0.95), "")
+    # The same steps at 1.9x the CPU per token: flagged both ways.
+    dearer = Cell("offload-tight", 4096)
+    dearer.base = [Round.from_worker(answers["base"])] * 3
+    series = answers["series"] | {"steps": 40, "step_tokens": [100] * 4}
+    dearer.series = [Round.from_worker(series)] * 3
+    assert not dearer.schedules_differ()
+    lines = scale_table("v0.20.2", [halved, dearer], {"offload-tight": "o"}, 3)
+    text = "\n".join(lines)
+    row = next(x for x in lines if x.startswith("| offload-tight | 512 |"))
+    assert "| 1.90 **!** | 0.95 | 0.95 |" in row
+    assert (
+        "per scheduled token within it (a step of the series does more): "
+        "offload-tight at 512." in text
+    )
+    assert "offload-tight at 512 (" not in text
+    assert "offload-tight at 4,096 (step, per token)" in text
 
 
 def test_the_bytecodes_counted_show_as_a_ratio_flagged_past_the_target():
