@@ -42,8 +42,9 @@ class Round:
         # A cut window still had all its steps ahead of it: its mean over
         # the whole window is at least what it used divided by the window.
         steps = answer["window"] if answer["window_cut"] else len(per_step)
-        # The cut step's tokens are not counted: a lower bound as well.
-        tokens = sum(answer.get("step_tokens", ()))
+        # A cut window's steps never run hold no tokens and no CPU, and the
+        # cut step its CPU but not its tokens: no figure per token.
+        tokens = 0 if answer["window_cut"] else sum(answer.get("step_tokens", ()))
         return cls(
             step_seconds=sum(per_step) / max(1, steps),
             drain_seconds=answer["drain_seconds"],
@@ -202,11 +203,12 @@ def scale_table(
     for c in cells:
         step, token, drain = c.step_ratio(), c.token_ratio(), c.drain_ratio()
         flags = [w for w, r in (("step", step), ("total", drain)) if r and r.flagged()]
-        if "step" in flags and c.schedules_differ() and token and not token.flagged():
-            # The series' step does more work, at no more cost per token.
-            flags.remove("step")
+        if "step" in flags and c.schedules_differ():
+            # Still flagged: the series' step may do more work, and the
+            # figures that compare the same work are named with it.
+            flags[0] = f"step; schedules differ, per token {shown(token)}"
             differ.append(f"{c.row} at {c.size:,}")
-        elif token and token.flagged():
+        if token and token.flagged():
             flags.append("per token")
         if c.bytecode_ratio().endswith("**!**"):
             flags.append("bytecodes")
@@ -250,8 +252,9 @@ def scale_table(
         out.append(f"**!** above {SCALE_TARGET}: " + "; ".join(flagged) + ".")
     if differ:
         out.append(
-            "Schedules differ, per step above the target, per scheduled token "
-            "within it (a step of the series does more): " + "; ".join(differ) + "."
+            "Per step past the target where the trees decide differently (a step "
+            "of the tree that drains in fewer does more; compare per token and "
+            "in total): " + "; ".join(differ) + "."
         )
     return out + [""]
 
@@ -289,13 +292,23 @@ class ServeRun:
 
     @property
     def cpu_per_request(self) -> float:
-        return self.cpu_seconds / self.requests if self.requests else math.nan
+        """nan where not measured (no CPU read, no request answered)."""
+        if self.cpu_seconds <= 0 or not self.requests:
+            return math.nan
+        return self.cpu_seconds / self.requests
 
 
 def paired_median(base: list[float], series: list[float]) -> float:
-    """The median of the round-by-round series/base ratios (nan if none)."""
-    ratios = [s / b for b, s in zip(base, series, strict=True) if b > 0]
+    """The median of the round-by-round series/base ratios, over the rounds
+    that measured both (nan if none did)."""
+    ratios = [s / b for b, s in zip(base, series, strict=True) if b > 0 and s > 0]
     return statistics.median(ratios) if ratios else math.nan
+
+
+def median_shown(values: list[float], scale: float = 1.0) -> str:
+    """The median of the measured values (not nan), '-' if none."""
+    kept = [v for v in values if not math.isnan(v)]
+    return f"{scale * statistics.median(kept):.1f}" if kept else "-"
 
 
 def serve_table(release: str, runs: dict[str, dict[str, list[ServeRun]]]) -> list[str]:
@@ -321,8 +334,9 @@ def serve_table(release: str, runs: dict[str, dict[str, list[ServeRun]]]) -> lis
             [r.cpu_per_request for r in series], [r.cpu_per_request for r in base]
         )
         marks = [" **!**" if v < SERVE_TARGET else "" for v in (ratio, cpu_ratio)]
-        if any(marks):
-            flagged.append(name)
+        which = [w for w, m in zip(("req/s", "CPU"), marks, strict=True) if m]
+        if which:
+            flagged.append(f"{name} ({', '.join(which)})")
         cells = []
         for runs_of in (base, series):
             lat = [x for r in runs_of for x in r.latencies]
@@ -332,7 +346,7 @@ def serve_table(release: str, runs: dict[str, dict[str, list[ServeRun]]]) -> lis
                 else "-"
             )
         cpu = [
-            f"{1e3 * statistics.median(r.cpu_per_request for r in runs_of):.1f}"
+            median_shown([r.cpu_per_request for r in runs_of], 1e3)
             for runs_of in (base, series)
         ]
         out.append(
@@ -340,10 +354,14 @@ def serve_table(release: str, runs: dict[str, dict[str, list[ServeRun]]]) -> lis
             f"{statistics.median(r.rate for r in series):.1f} | "
             f"{ratio:.2f}{marks[0]} | "
             f"{cells[0]} | {cells[1]} | {cpu[0]}/{cpu[1]} | "
-            f"{cpu_ratio:.2f}{marks[1]} | {sum(r.errors for r in base)}/"
+            f"{shown_value(cpu_ratio)}{marks[1]} | {sum(r.errors for r in base)}/"
             f"{sum(r.errors for r in series)} |"
         )
     out.append("")
     if flagged:
         out.append(f"**!** below {SERVE_TARGET}: " + ", ".join(flagged) + ".")
     return out + [""]
+
+
+def shown_value(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"

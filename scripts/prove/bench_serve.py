@@ -13,7 +13,9 @@ share its cores, so keep the machine otherwise quiet. Each run also
 records the CPU time of the server's processes (Server.cpu_seconds), per
 answered request: on a machine with fewer cores than the server and its
 client use, wall time moves by a quarter from run to run, and the CPU time
-is where the series' cost shows.
+is where the series' cost shows. It is read before the client starts and
+after it exits, so it also holds the server's idle time while the client
+starts (both trees alike).
 """
 
 from __future__ import annotations

@@ -180,23 +180,25 @@ class Server:
             return 0
 
     def cpu_seconds(self) -> float:
-        """CPU time (user and system) the server's live processes have used:
-        every process of its session (API server, EngineCore, worker).
-        Read from /proc rather than psutil: the bench's driver runs on the
-        system Python, which need not have it, and vLLM serves on Linux."""
+        """CPU time (user and system) the server's processes have used:
+        every live process of its session (API server, EngineCore, worker)
+        and the children they have reaped. Read from /proc rather than
+        psutil: the bench's driver runs on the system Python, which need not
+        have it, and vLLM serves on Linux."""
         if self.proc is None:
             return 0.0
         ticks = 0
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
-                # The fields after the command's closing parenthesis: state is
-                # the 3rd field of stat, session the 6th, utime/stime the 14th
-                # and 15th.
+                # The fields after the command's closing parenthesis (the
+                # command may hold any character): state is the 3rd field of
+                # stat, session the 6th, utime, stime, cutime and cstime the
+                # 14th to 17th.
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue  # it exited while we read
             if int(fields[3]) == self.proc.pid:
-                ticks += int(fields[11]) + int(fields[12])
+                ticks += sum(int(x) for x in fields[11:15])
         return ticks / os.sysconf("SC_CLK_TCK")
 
     def serves_model(self) -> bool:

@@ -106,9 +106,11 @@ def test_the_scale_table_flags_the_cells_past_the_target():
     assert "| burst | b | - | - |" in lines  # one size: no fit
 
 
-def test_a_longer_step_that_schedules_more_is_judged_per_token():
+def test_a_longer_step_that_schedules_more_stays_flagged_with_its_per_token_cost():
     # The series drains in half the steps, each scheduling twice the tokens
-    # at 1.9x the CPU: per step 1.90, per token 0.95, not flagged; noted.
+    # at 1.9x the CPU: per step 1.90, per token 0.95. Still flagged (a step
+    # that does more may also cost more per request), named with its cost
+    # per token.
     answers = {
         "base": answer([1.0] * 4, drain=40.0, window=4) | {"steps": 40},
         "series": answer([1.9] * 4, drain=38.0, window=4) | {"steps": 20},
@@ -130,12 +132,18 @@ def test_a_longer_step_that_schedules_more_is_judged_per_token():
     text = "\n".join(lines)
     row = next(x for x in lines if x.startswith("| offload-tight | 512 |"))
     assert "| 1.90 **!** | 0.95 | 0.95 |" in row
-    assert (
-        "per scheduled token within it (a step of the series does more): "
-        "offload-tight at 512." in text
-    )
-    assert "offload-tight at 512 (" not in text
+    assert "offload-tight at 512 (step; schedules differ, per token 0.95)" in text
+    assert "compare per token and in total): offload-tight at 512." in text
     assert "offload-tight at 4,096 (step, per token)" in text
+
+
+def test_a_cut_window_has_no_cost_per_token():
+    cut = Round.from_worker(
+        answer([1.0, 1.0], window=40, cut=True) | {"step_tokens": [5]}
+    )
+    assert cut.token_seconds is None
+    whole = Round.from_worker(answer([1.0, 3.0], drain=4.0) | {"step_tokens": [1, 3]})
+    assert whole.token_seconds == 1.0
 
 
 def test_the_bytecodes_counted_show_as_a_ratio_flagged_past_the_target():
@@ -174,7 +182,16 @@ def test_the_serve_table_flags_a_slower_series():
         "| plain | 100.0 | 90.0 | 0.90 **!** | 100/100 | 200/200 | 10.0/10.0 "
         "| 1.00 | 0/20 |"
     )
-    assert "below 0.98: plain" in "\n".join(lines)
+    assert "below 0.98: plain (req/s)." in "\n".join(lines)
+
+
+def test_a_run_with_no_cpu_read_is_not_measured():
+    read = [ServeRun(100, 1.0, [0.1] * 100, cpu_seconds=1.0)] * 2
+    unread = [ServeRun(100, 1.0, [0.1] * 100)] * 2
+    lines = serve_table("v0.33.0", {"plain": {"base": unread, "series": read}})
+    row = next(x for x in lines if x.startswith("| plain |"))
+    assert "| -/10.0 | - |" in row
+    assert "below" not in "\n".join(lines)
 
 
 def test_the_serve_table_flags_a_series_that_spends_more_cpu_per_request():
@@ -186,7 +203,7 @@ def test_the_serve_table_flags_a_series_that_spends_more_cpu_per_request():
     row = next(x for x in lines if x.startswith("| offload |"))
     assert "| 1.00 |" in row
     assert "| 10.0/12.5 | 0.80 **!** |" in row
-    assert "below 0.98: offload" in "\n".join(lines)
+    assert "below 0.98: offload (CPU)." in "\n".join(lines)
 
 
 def test_percentiles_interpolate_between_ranks():
