@@ -11,7 +11,7 @@ from prove.soak import speed_caveat, speed_ratios, speed_verdict, survived
 INF = float("inf")
 
 
-def test_ratio_is_series_over_base_tokens_per_second_over_all_seeds():
+def test_ratio_is_series_over_base_requests_per_second_over_all_seeds():
     timings = {
         "w": {
             "base": [(100, 1.0), (300, 1.0)],
@@ -19,7 +19,7 @@ def test_ratio_is_series_over_base_tokens_per_second_over_all_seeds():
         }
     }
     r = speed_ratios(timings)["w"]
-    # (scheduled tokens, seconds): base 400 / 2 s, series 400 / 3.25 s
+    # (requests served, seconds): base 400 / 2 s, series 400 / 3.25 s
     assert r["ratio"] == pytest.approx((400 / 3.25) / (400 / 2), abs=1e-3)
     assert r["seeds"] == 2
     assert r["q1"] <= r["median"] <= r["q3"]
