@@ -15,7 +15,9 @@ open PR upstream). The harness does not build the partial-tail hit
 itself: the test makes the copy-on-write's two moves (a fresh block for
 the copy, the hashes moved to it, the content copied) between the step
 that launches a store and the step that completes it, with the real
-block pool, scheduler and connector.
+block pool, scheduler and connector. The lazy case (a free cached block
+stored while its hash moves) is the same completion path; real moves hit
+the running producer's own block, which eager mode stores.
 """
 
 from __future__ import annotations
@@ -91,6 +93,10 @@ def test_a_store_whose_block_hash_moved_completes_uncached(lazy: bool):
     assert stale.block_hash is None, (
         "the CPU cached the copy of a block whose hash had moved before its "
         "store completed"
+    )
+    rest = [cpu_pool.blocks[b] for b in transfer.cpu_block_ids[1:]]
+    assert rest and all(b.block_hash is not None for b in rest), (
+        "the blocks of the same store that kept their hashes were not cached"
     )
     e.run()  # (a later store may cache the copy-on-write block, rightly)
     assert_pool_ok(pool, all_done=True, label="GPU pool")
