@@ -55,6 +55,9 @@ BUILD_REQS = [
 TEST_REQS = [
     "pytest==9.2.0",
     "pytest-asyncio==1.5.0",
+    # make test's project tests on every core (they are git and subprocess
+    # bound: 8 minutes on one core of a slow 2-core machine, 5 on two).
+    "pytest-xdist==3.8.0",
     "hypothesis==6.170.15",
     "tblib==3.2.2",
     "ruff==0.14.0",

@@ -242,6 +242,12 @@ def project_tests(python: Path, trees: Trees, slow: bool = False) -> tuple[bool,
     junit, log = LOGS / f"{name}.xml", LOGS / f"{name}.log"
     junit.unlink(missing_ok=True)
     args = ["tests", f"--ignore={REPRODUCERS}", *(["-m", "slow"] if slow else [])]
+    if not slow:
+        # One worker per core, each test to whichever is free (a few files
+        # hold most of the time); the tests build their trees under their
+        # own tmp dirs, so workers share nothing but read-only caches. The
+        # slow tests fill the shared download caches: one process.
+        args += ["-n", "auto", "--dist", "worksteal"]
     code = run_pytest(python, trees.patched, ROOT, junit, args, log)
     outcomes = read_junit(junit)
     failed = sorted(t for t, o in outcomes.items() if o in ("failed", "error"))

@@ -93,8 +93,9 @@ STANDIN_PYTHON = "3.11"
 STANDIN_GLIBC = "2.36"
 # The installer upstream's Dockerfile uses (`uv pip install --system`).
 UV_SPEC = "uv==0.13.9"
-# What the in-image check installs into a directory of its own.
-CHECK_REQS = [r for r in TEST_REQS if not r.startswith("ruff")]
+# What the in-image check installs into a directory of its own (it runs
+# pytest on one process: no ruff, no xdist).
+CHECK_REQS = [r for r in TEST_REQS if not r.startswith(("ruff", "pytest-xdist"))]
 CHECK_SCRIPT = ROOT / "scripts" / "ship" / "image_check.py"
 CHECK_MOUNT = "/opt/vllm-fork-check"
 IMAGE_CACHE = CACHE / "image"
