@@ -31,10 +31,12 @@ does and measures both trees in one run, in three parts:
 
 One benchmark worker per tree (scripts/prove/bench_worker.py, its tree and
 tests/ on PYTHONPATH) stays up for the allocator and scheduler parts; in
-every round both trees run the same work, one after the other, the order
-alternating round by round. Times are CPU time (time.process_time): time
-spent waiting for a core is not counted, though other load on a shared
-machine still makes them noisy. A scheduler round that uses
+every round both trees run the same work at the same time, one per core,
+so that a round's ratio sees one state of the machine and the part takes
+half the time (--serial: one after the other, the order alternating round
+by round, for a machine with one core). Times are CPU time
+(time.process_time): time spent waiting for a core is not counted, though
+other load on a shared machine still makes them noisy. A scheduler round that uses
 up --limit CPU seconds is cut, and what it measured shows as a lower
 bound ('>'). Timings only: nothing here fails on them, a ratio past its
 target is flagged. Worker logs go to .work/bench/.
@@ -138,12 +140,21 @@ def both(workers: dict[str, Worker], line: str) -> dict[str, dict]:
 
 
 def alternate(r: int) -> tuple[str, str]:
-    """Which tree goes first in round `r`."""
+    """Which tree goes first in round `r` (with --serial)."""
     return KINDS if r % 2 == 0 else KINDS[::-1]
 
 
+def timed(workers: dict[str, Worker], line: str, r: int, serial: bool) -> dict:
+    """A timed command on both trees' workers: at once, one on each core
+    (both see the machine as it is then), or with `serial` one after the
+    other, the order alternating round by round."""
+    if not serial:
+        return both(workers, line)
+    return {kind: workers[kind].ask(line) for kind in alternate(r)}
+
+
 def allocator_part(
-    workers: dict[str, Worker], names: list[str], rounds: int
+    workers: dict[str, Worker], names: list[str], rounds: int, serial: bool
 ) -> list[str]:
     times: dict[str, dict[str, list[float]]] = {
         n: {k: [] for k in KINDS} for n in names
@@ -152,8 +163,8 @@ def allocator_part(
         step(f"allocator: {name} ({rounds} rounds)")
         both(workers, name)  # warm-up, not counted
         for r in range(rounds):
-            for kind in alternate(r):
-                times[name][kind].append(workers[kind].ask(name)["seconds"])
+            for kind, answer in timed(workers, name, r, serial).items():
+                times[name][kind].append(answer["seconds"])
     width = max(len(n) for n in names)
     out = [
         f"{'allocator benchmark':<{width}}  {'base ms':>8}  {'series ms':>9}  "
@@ -196,12 +207,10 @@ def scheduler_part(
             # Small bursts take milliseconds: several drained ones a round.
             bursts = -(-ROUND_REQUESTS // size) if drain == "1" else 1
             start = time.monotonic()
+            run = f"scale run {args.window} {drain} {args.limit} {bursts}"
             for r in range(rounds):
                 both(workers, f"scale prepare {row} {size} {r}")
-                for kind in alternate(r):
-                    answer = workers[kind].ask(
-                        f"scale run {args.window} {drain} {args.limit} {bursts}"
-                    )
+                for kind, answer in timed(workers, run, r, args.serial).items():
                     getattr(cell, kind).append(Round.from_worker(answer))
                 # A round cut by the limit is a bound, and another one
                 # would be cut too.
@@ -258,7 +267,7 @@ def bench_release(series: Series, args, out: list[str]) -> None:
             rows = matching(list(listing["scheduler"]), args.only)
             if "allocator" in args.parts and names:
                 table = [f"### Allocator, v{version}", "", "```"]
-                table += allocator_part(workers, names, args.rounds or 25)
+                table += allocator_part(workers, names, args.rounds or 25, args.serial)
                 table.insert(-1, "```")
                 print("\n".join(table))
                 out += table
@@ -336,6 +345,12 @@ def main() -> int:
         type=float,
         default=15.0,
         help="CPU seconds a scheduler round may take before it is cut (default 15)",
+    )
+    p.add_argument(
+        "--serial",
+        action="store_true",
+        help="time the allocator and scheduler on one tree at a time, the "
+        "order alternating (default: both trees at once, one per core)",
     )
     p.add_argument(
         "--serve-requests",

@@ -4,9 +4,10 @@ Not for direct use: bench.py starts one worker per tree (base and series,
 each with its tree and the project's tests/ on PYTHONPATH) and sends
 commands on stdin, one a line; the worker answers each with a line
 "BENCH " + JSON (other lines on stdout, such as vLLM's log, are not
-answers). The workers stay up, so the two trees are measured in
-alternation. Times are the worker's CPU time (time.process_time), so other
-load on a shared machine does not count while the worker waits for a core.
+answers). The workers stay up, so the two trees are measured in the same
+rounds (at once, or with --serial in alternation). Times are the worker's
+CPU time (time.process_time), so other load on a shared machine does not
+count while the worker waits for a core.
 
   NAME                          an allocator micro-benchmark (BENCHMARKS):
                                 {"name", "seconds"}

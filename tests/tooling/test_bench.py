@@ -10,7 +10,7 @@ import math
 import pytest
 
 from lib.errors import ForkError
-from prove.bench import alternate, sizes
+from prove.bench import alternate, sizes, timed
 from prove.bench_report import (
     Cell,
     Ratio,
@@ -220,3 +220,40 @@ def test_sizes_and_the_order_of_the_trees():
     with pytest.raises(ForkError):
         sizes("0")
     assert alternate(0) == ("base", "series") and alternate(1) == ("series", "base")
+
+
+class FakeWorker:
+    """Records when it was asked and when it was answered."""
+
+    def __init__(self, kind: str, log: list[str]) -> None:
+        self.kind, self.log = kind, log
+
+    def send(self, line: str) -> None:
+        self.log.append(f"send {self.kind}")
+
+    def receive(self, what: str) -> dict:
+        self.log.append(f"receive {self.kind}")
+        return {"kind": self.kind}
+
+    def ask(self, line: str) -> dict:
+        self.send(line)
+        return self.receive(line)
+
+
+@pytest.mark.parametrize("r", [0, 1])
+def test_both_trees_are_timed_at_once_unless_serial(r):
+    log: list[str] = []
+    workers = {k: FakeWorker(k, log) for k in ("base", "series")}
+    answers = timed(workers, "scale run", r, serial=False)  # type: ignore[arg-type]
+    assert answers == {"base": {"kind": "base"}, "series": {"kind": "series"}}
+    # Both asked before either answer is read: they run at the same time.
+    assert log[:2] == ["send base", "send series"]
+    log.clear()
+    first, second = alternate(r)
+    timed(workers, "scale run", r, serial=True)  # type: ignore[arg-type]
+    assert log == [
+        f"send {first}",
+        f"receive {first}",
+        f"send {second}",
+        f"receive {second}",
+    ]
