@@ -27,17 +27,21 @@ does and measures both trees in one run, in three parts:
              series/base requests/s at least 0.98). Four servers start per
              release and their figures are wall time: keep the machine
              otherwise quiet. All three parts, both releases: about 17
-             minutes on this project's 2-core build machine.
+             minutes on this project's 2-core build machine, 28 on a
+             slower one (docs/speed.md).
 
 One benchmark worker per tree (scripts/prove/bench_worker.py, its tree and
 tests/ on PYTHONPATH) stays up for the allocator and scheduler parts; in
 every round both trees run the same work at the same time, one per core,
-so that a round's ratio sees one state of the machine and the part takes
-half the time (--serial: one after the other, the order alternating round
-by round, for a machine with one core). Times are CPU time
-(time.process_time): time spent waiting for a core is not counted, though
-other load on a shared machine still makes them noisy. A scheduler round that uses
-up --limit CPU seconds is cut, and what it measured shows as a lower
+so that a round's ratio sees one state of the machine and no core idles
+(--serial: one after the other, the order alternating round by round, for
+a machine with one core). The timed rounds are a minority of these parts
+(engine set-up and the bytecode counts already ran on both trees at once):
+on a slow 2-core machine they took 6.5-7 minutes a release at once,
+against 9-10 alternating. Times are CPU time (time.process_time): time
+spent waiting for a core is not counted, though other load on a shared
+machine still makes them noisy. A scheduler round that uses up --limit CPU
+seconds is cut, and what it measured shows as a lower
 bound ('>'). Timings only: nothing here fails on them, a ratio past its
 target is flagged. Worker logs go to .work/bench/.
 """
