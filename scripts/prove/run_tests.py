@@ -26,6 +26,7 @@ patched wheel made from upstream's real 244 MB wheel.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -57,6 +58,8 @@ REPRODUCERS = ROOT / "tests" / "reproducers"
 # Traces per series in make test's differential step (seconds each; make
 # soak runs many more).
 DIFFERENTIAL_TRACES = 200
+# pytest-xdist workers for the project tests (fewer where fewer cores).
+PROJECT_TEST_WORKERS = 4
 LOGS = WORK / "logs"
 
 
@@ -245,9 +248,12 @@ def project_tests(python: Path, trees: Trees, slow: bool = False) -> tuple[bool,
     if not slow:
         # One worker per core, each test to whichever is free (a few files
         # hold most of the time); the tests build their trees under their
-        # own tmp dirs, so workers share nothing but read-only caches. The
-        # slow tests fill the shared download caches: one process.
-        args += ["-n", "auto", "--dist", "worksteal"]
+        # own tmp dirs, so workers share nothing but read-only caches. At
+        # most PROJECT_TEST_WORKERS: each worker builds its own trees, and
+        # on a large CI machine dozens would fill the disk for little gain.
+        # The slow tests fill the shared download caches: one process.
+        workers = min(len(os.sched_getaffinity(0)), PROJECT_TEST_WORKERS)
+        args += ["-n", str(workers), "--dist", "worksteal"]
     code = run_pytest(python, trees.patched, ROOT, junit, args, log)
     outcomes = read_junit(junit)
     failed = sorted(t for t, o in outcomes.items() if o in ("failed", "error"))
