@@ -39,6 +39,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -285,37 +286,50 @@ def record(t: Target, r: Row) -> dict:
 
 
 def run_targets(
-    targets: list[Target], short: bool, only: list[str] | None = None
+    targets: list[Target], short: bool, only: list[str] | None = None, jobs: int = 1
 ) -> tuple[bool, list[str], list[str]]:
     """Every scenario (or those named in `only`) on every target; (all as
-    expected, report tables, one line per run)."""
+    expected, report tables, one line per run). `jobs` servers at a time:
+    a server's start is a chain of single-threaded imports (API server,
+    EngineCore, worker), so two of them on two cores take little longer
+    than one; the runs themselves are judged on their outcomes, not timed."""
     OUT.mkdir(parents=True, exist_ok=True)
+    runs = [
+        (t, sc)
+        for t in targets
+        for sc in scenarios(short)
+        if not (only and sc.name not in only)
+        # The base where no reproducer is declared: nothing to judge there,
+        # make test's minutes go elsewhere.
+        and not (short and t.kind == "base" and sc.reproducer is None)
+    ]
+
+    def one(t: Target, sc: Scenario) -> Row:
+        step(f"e2e {t.label}: {sc.name}")
+        start = time.monotonic()
+        row = run_scenario(t, sc)
+        judge(row, named_reproducers(t.series))
+        say(
+            f"    {t.label} {sc.name}: {len(row.outcomes)} requests, engine "
+            f"{'alive' if row.alive else 'dead'}, {time.monotonic() - start:.0f}s"
+            + (f": {'; '.join(row.problems)}" if row.problems else "")
+        )
+        return row
+
+    if jobs > 1 and any(sc.peer for _, sc in runs):
+        # The peer's strikes are timed against the server's own steps.
+        say("    one server at a time: the peer scenario is timed")
+        jobs = 1
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        futures = [pool.submit(one, t, sc) for t, sc in runs]
+        rows = [f.result() for f in futures]
     report: list[str] = []
-    summary: list[str] = []
-    records: list[dict] = []
-    ok = True
+    summary = [one_line(t.label, row) for (t, _), row in zip(runs, rows, strict=True)]
+    records = [record(t, row) for (t, _), row in zip(runs, rows, strict=True)]
     for t in targets:
-        rows = []
-        for sc in scenarios(short):
-            if only and sc.name not in only:
-                continue
-            if short and t.kind == "base" and sc.reproducer is None:
-                # Nothing to judge there; make test's minutes go elsewhere.
-                continue
-            step(f"e2e {t.label}: {sc.name}")
-            start = time.monotonic()
-            row = run_scenario(t, sc)
-            judge(row, named_reproducers(t.series))
-            say(
-                f"    {len(row.outcomes)} requests, engine "
-                f"{'alive' if row.alive else 'dead'}, {time.monotonic() - start:.0f}s"
-                + (f": {'; '.join(row.problems)}" if row.problems else "")
-            )
-            rows.append(row)
-            records.append(record(t, row))
-            summary.append(one_line(t.label, row))
-        ok = ok and not any(r.problems for r in rows)
-        report += table(f"{t.label} ({rel(t.tree)})", rows)
+        mine = [row for (rt, _), row in zip(runs, rows, strict=True) if rt is t]
+        report += table(f"{t.label} ({rel(t.tree)})", mine)
+    ok = not any(row.problems for row in rows)
     stem = "e2e-short" if short else "e2e"
     (OUT / f"{stem}.md").write_text("\n".join(report))
     (OUT / f"{stem}.json").write_text(json.dumps(records, indent=1) + "\n")
@@ -360,12 +374,21 @@ def main() -> int:
         choices=[sc.name for sc in scenarios(short=False)],
         help="only this scenario (repeatable; default: all)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="servers at a time (default 1; make test's short run takes 2; "
+        "the timed peer scenario, seed003, always runs alone)",
+    )
     args = p.parse_args()
+    if args.jobs < 1:
+        raise ForkError(f"--jobs {args.jobs}: at least one server at a time")
     start = time.monotonic()
     targets = list(default_targets(args.short, args.release))
     if not targets:
         raise ForkError(f"no series for release(s) {args.release}: see patches/")
-    ok, report, _ = run_targets(targets, args.short, args.scenario)
+    ok, report, _ = run_targets(targets, args.short, args.scenario, args.jobs)
     say("\n" + "\n".join(report))
     say(
         f"{'PASSED' if ok else 'FAILED'} in {time.monotonic() - start:.0f}s "

@@ -149,3 +149,47 @@ def test_session_hashes_explain_a_divergence_only_after_a_chunk():
     later = {**NO_CONNECTOR, "first_chunk_step": 2}
     assert compare(0, later, base, series, hashes).kind == "FAILED"
     assert compare(0, NO_CONNECTOR, base, series, hashes).kind == "FAILED"
+
+
+class FakeWorker:
+    """A trace worker that answers every trace with one identical record."""
+
+    started: list[str] = []
+
+    def __init__(self, python, tree, name, *args, **kwargs):
+        self.name, self.stalled = name, name != "series"
+        FakeWorker.started.append(name)
+
+    def send(self, line: str) -> None:
+        pass
+
+    def receive(self, what: str, timeout: float) -> dict:
+        return {**rec(step()), "stalled": self.stalled}
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_newest_release_as_its_own_base_runs_each_trace_once(monkeypatch, tmp_path):
+    """On the newest release's series, the newest bare release is the base:
+    its stalls are the base's, without a third worker."""
+    monkeypatch.setattr(differential, "Worker", FakeWorker)
+    base, series, other = tmp_path / "base", tmp_path / "series", tmp_path / "new"
+    for newest, workers in [
+        (base, ["series", "base"]),
+        (other, ["series", "newest", "base"]),
+    ]:
+        FakeWorker.started = []
+        verdicts, _ = differential.run_traces(
+            tmp_path / "python",
+            base,
+            series,
+            [],
+            range(1),
+            progress=False,
+            out=tmp_path,
+            families=("mixed",),
+            newest=(tmp_path / "python", newest),
+        )
+        assert FakeWorker.started == workers
+        assert [v.newest_stalled for v in verdicts] == [True]

@@ -204,3 +204,56 @@ def test_a_servers_cpu_time_counts_every_process_of_its_session(tmp_path: Path):
         assert server.cpu_seconds() >= 0.3
     finally:
         server.stop()
+
+
+class _Base:
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+
+class _Series:
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def base(self) -> _Base:
+        return _Base(self.version)
+
+    def patches(self) -> list:
+        return []
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_servers_at_a_time_keep_the_report_in_order(monkeypatch, tmp_path, short):
+    """Two servers at a time (make test's short run): every run reported in
+    the order of one at a time; the timed peer scenario makes it one."""
+    from prove import e2e
+
+    live, most = [0], [0]
+
+    def fake_run(t, sc):
+        live[0] += 1
+        most[0] = max(most[0], live[0])
+        time.sleep(0.05)
+        live[0] -= 1
+        return healthy(sc.name, t.kind)
+
+    monkeypatch.setattr(e2e, "OUT", tmp_path)
+    monkeypatch.setattr(e2e, "run_scenario", fake_run)
+    targets = [
+        e2e.Target(_Series(v), kind, tmp_path / f"{v}-{kind}", Path("python"))
+        for v, kind in [("0.20.2", "base"), ("0.20.2", "series"), ("0.33.0", "series")]
+    ]
+    ok, report, summary = e2e.run_targets(targets, short=short, jobs=2)
+    assert ok
+    assert most[0] == (2 if short else 1)
+    names = [(line.split()[0], line.split()[1].rstrip(":")) for line in summary]
+    want = [
+        (t.label, sc.name)
+        for t in targets
+        for sc in scenarios(short)
+        if not (short and t.kind == "base" and sc.reproducer is None)
+    ]
+    assert names == want
+    assert [line for line in report if line.startswith("### ")] == [
+        f"### {t.label} ({t.tree})" for t in targets
+    ]
