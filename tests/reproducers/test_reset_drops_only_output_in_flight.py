@@ -1,0 +1,96 @@
+"""A prefix-cache reset under async scheduling drops the output its
+preempted requests have in flight, and nothing else: the ledger's
+reset-keeps-async-output.
+
+`reset_prefix_cache(reset_running_requests=True)` (an RL weight update,
+`pause_generation(mode="keep")` with its default clear_cache, sleep mode)
+preempts every running request. The output of their steps still in flight
+was sampled before the reset and must not reach them. Up to 0.21.0 the
+reset marks each preempted request to drop its next output, whatever is
+in flight: after an engine that drained first (a pause waits for its steps)
+that is the first token sampled after the request resumes, and every later
+token lands one position early; with two steps in flight (pipeline stages)
+one pre-reset token is kept. Either way the text is silently wrong (vllm#42043,
+fixed upstream in 0.22.0 by counting what is in flight, vllm#42117). The
+patch drops exactly the output of the steps in flight at the reset, which
+0016 already counts per request.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.engine import Engine, HarnessConfig, sampled_token
+
+PROMPT = list(range(100, 148))
+LONG_PROMPT = list(range(1000, 1000 + 200))
+MAX_TOKENS = 20
+
+
+def drain(e: Engine) -> None:
+    """Process the output of every step in flight, scheduling nothing: what
+    EngineCore does while a pause waits for its steps to finish."""
+    while e.in_flight:
+        so, out, mark = e.in_flight.popleft()
+        e.cuda.host_sync(mark)
+        e._process(so, out)
+
+
+def run_reset(stages: int, drained: bool) -> tuple[Engine, str, str, int]:
+    """A decoding and B in the middle of a chunked prefill when the reset
+    comes (six steps in); both run to the end. Returns the engine, both
+    request ids and the steps in flight at the reset."""
+    e = Engine(
+        HarnessConfig(
+            num_gpu_blocks=64,
+            offload=False,
+            async_scheduling=True,
+            pipeline_parallel_size=stages,
+            max_num_batched_tokens=64,
+        )
+    )
+    a = e.add_request(PROMPT, max_tokens=MAX_TOKENS)
+    b = e.add_request(LONG_PROMPT, max_tokens=MAX_TOKENS)
+    for _ in range(6):
+        e.step()
+    if drained:
+        drain(e)
+    in_flight = len(e.in_flight)
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+    e.run(max_steps=300)
+    return e, a, b, in_flight
+
+
+def assert_each_token_at_its_position(e: Engine, *req_ids: str) -> None:
+    for req_id, prompt in zip(req_ids, (PROMPT, LONG_PROMPT), strict=True):
+        want = [sampled_token(req_id, len(prompt) + i) for i in range(MAX_TOKENS)]
+        assert list(e.requests[req_id].output_token_ids) == want, req_id
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_a_reset_after_the_engine_drained_drops_no_token(stages):
+    """Nothing in flight at the reset: every token the requests are given
+    is sampled after it, at its own position."""
+    e, a, b, in_flight = run_reset(stages, drained=True)
+    assert in_flight == 0
+    assert {a, b} <= e.stats.finished
+    assert_each_token_at_its_position(e, a, b)
+
+
+def test_a_reset_with_two_steps_in_flight_drops_both():
+    """Three pipeline stages keep two steps in flight at the reset: the
+    output of both is dropped, not only the first."""
+    e, a, b, in_flight = run_reset(stages=3, drained=False)
+    assert in_flight == 2
+    assert {a, b} <= e.stats.finished
+    assert_each_token_at_its_position(e, a, b)
+
+
+def test_a_reset_with_one_step_in_flight_drops_it():
+    """Plain async scheduling, one step in flight: its output is dropped
+    (what the release already does; kept here as the case the fix must not
+    change)."""
+    e, a, b, in_flight = run_reset(stages=1, drained=False)
+    assert in_flight == 1
+    assert {a, b} <= e.stats.finished
+    assert_each_token_at_its_position(e, a, b)
