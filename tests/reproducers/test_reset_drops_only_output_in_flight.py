@@ -19,6 +19,7 @@ patch drops exactly the output of the steps in flight at the reset, which
 from __future__ import annotations
 
 import pytest
+from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig, sampled_token
 
@@ -57,6 +58,12 @@ def run_reset(stages: int, drained: bool) -> tuple[Engine, str, str, int]:
         drain(e)
     in_flight = len(e.in_flight)
     assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+    # The output of the steps in flight comes back first, one a step: none
+    # of its tokens, sampled before the reset, reaches a request.
+    before = {r: len(e.requests[r].output_token_ids) for r in (a, b)}
+    for _ in range(in_flight):
+        e.step()
+    assert {r: len(e.requests[r].output_token_ids) for r in (a, b)} == before
     e.run(max_steps=300)
     return e, a, b, in_flight
 
@@ -94,3 +101,49 @@ def test_a_reset_with_one_step_in_flight_drops_it():
     assert in_flight == 1
     assert {a, b} <= e.stats.finished
     assert_each_token_at_its_position(e, a, b)
+
+
+def test_a_preemption_after_a_reset_keeps_its_output_in_flight():
+    """A reset, then KV pressure preempts a request with steps in flight
+    (three pipeline stages, 10 blocks for two 48-token prompts decoding 40
+    tokens): that output was sampled after the reset and is kept, as any
+    preemption's (0016), not dropped and sampled again. Only the reset's
+    own stale output is dropped."""
+    e = Engine(
+        HarnessConfig(
+            num_gpu_blocks=10,
+            offload=False,
+            prefix_caching=False,
+            async_scheduling=True,
+            pipeline_parallel_size=3,
+        )
+    )
+    a = e.add_request(PROMPT, max_tokens=40)
+    b = e.add_request(list(range(200, 248)), max_tokens=40)
+    if not hasattr(e.requests[a], "num_stale_steps"):
+        pytest.skip("watches the series' count of stale steps (patch 0016)")
+    for _ in range(4):
+        e.step()
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+    for _ in range(3):  # the reset's stale output comes back
+        e.step()
+    # Output tokens of a preempted request when first seen with stale steps,
+    # and how many it gained once they were all in.
+    seen: dict[str, int] = {}
+    kept: list[int] = []
+
+    def watch(e: Engine) -> None:
+        for req_id, req in e.scheduler.requests.items():
+            if req.status != RequestStatus.PREEMPTED:
+                continue
+            if req.num_stale_steps > 0:
+                seen.setdefault(req_id, len(req.output_token_ids))
+            elif req_id in seen:
+                kept.append(len(req.output_token_ids) - seen.pop(req_id))
+
+    e.run(max_steps=500, after_step=watch)
+    assert kept and all(n > 0 for n in kept), kept
+    assert {a, b} <= e.stats.finished
+    for req_id in (a, b):
+        want = [sampled_token(req_id, 48 + i) for i in range(40)]
+        assert list(e.requests[req_id].output_token_ids) == want, req_id
