@@ -37,22 +37,24 @@ def drain(e: Engine) -> None:
         e._process(so, out)
 
 
-def run_reset(stages: int, drained: bool) -> tuple[Engine, str, str, int]:
+def run_reset(
+    stages: int, drained: bool, async_scheduling: bool = True, steps: int = 6
+) -> tuple[Engine, str, str, int]:
     """A decoding and B in the middle of a chunked prefill when the reset
-    comes (six steps in); both run to the end. Returns the engine, both
+    comes (`steps` in); both run to the end. Returns the engine, both
     request ids and the steps in flight at the reset."""
     e = Engine(
         HarnessConfig(
             num_gpu_blocks=64,
             offload=False,
-            async_scheduling=True,
+            async_scheduling=async_scheduling,
             pipeline_parallel_size=stages,
             max_num_batched_tokens=64,
         )
     )
     a = e.add_request(PROMPT, max_tokens=MAX_TOKENS)
     b = e.add_request(LONG_PROMPT, max_tokens=MAX_TOKENS)
-    for _ in range(6):
+    for _ in range(steps):
         e.step()
     if drained:
         drain(e)
@@ -89,6 +91,20 @@ def test_a_reset_with_two_steps_in_flight_drops_both():
     output of both is dropped, not only the first."""
     e, a, b, in_flight = run_reset(stages=3, drained=False)
     assert in_flight == 2
+    assert {a, b} <= e.stats.finished
+    assert_each_token_at_its_position(e, a, b)
+
+
+@pytest.mark.parametrize("steps", [5, 7])
+def test_a_reset_without_async_scheduling_drops_the_pipelines_output(steps):
+    """Three pipeline stages without async scheduling (the plain Scheduler):
+    a step of A's is in flight at the reset. Its output, sampled before the
+    reset, is dropped too; the release kept it, and A resumed before it
+    was in."""
+    e, a, b, in_flight = run_reset(
+        3, drained=False, async_scheduling=False, steps=steps
+    )
+    assert in_flight >= 1
     assert {a, b} <= e.stats.finished
     assert_each_token_at_its_position(e, a, b)
 
