@@ -9,11 +9,15 @@ was sampled before the reset and must not reach them. Up to 0.21.0 the
 reset marks each preempted request to drop its next output, whatever is
 in flight: after an engine that drained first (a pause waits for its steps)
 that is the first token sampled after the request resumes, and every later
-token lands one position early; with two steps in flight (pipeline stages)
-one pre-reset token is kept. Either way the text is silently wrong (vllm#42043,
-fixed upstream in 0.22.0 by counting what is in flight, vllm#42117). The
-patch drops exactly the output of the steps in flight at the reset, which
-0016 already counts per request.
+token lands one position early, silently (vllm#42043, fixed upstream in
+0.22.0 by counting what is in flight, vllm#42117); with two steps in flight
+(pipeline stages) one request keeps a pre-reset token and another, resumed
+into a prefill chunk, takes its placeholders below 0 and EngineCore dies on
+the assertion. Without async scheduling (the plain Scheduler, pipeline
+stages) the release keeps that output and resumes the request before it is
+in: its tokens land at wrong positions (until 0.27.0). The patch skips
+exactly the output of the steps in flight at the reset, which 0016 already
+counts per request, in both schedulers.
 """
 
 from __future__ import annotations
