@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -304,10 +305,18 @@ def run_targets(
         and not (short and t.kind == "base" and sc.reproducer is None)
     ]
 
-    def one(t: Target, sc: Scenario) -> Row:
+    stop = threading.Event()
+
+    def one(t: Target, sc: Scenario) -> Row | None:
+        if stop.is_set():
+            return None  # an earlier run failed or was interrupted
         step(f"e2e {t.label}: {sc.name}")
         start = time.monotonic()
-        row = run_scenario(t, sc)
+        try:
+            row = run_scenario(t, sc)
+        except BaseException:
+            stop.set()
+            raise
         judge(row, named_reproducers(t.series))
         say(
             f"    {t.label} {sc.name}: {len(row.outcomes)} requests, engine "
@@ -320,9 +329,17 @@ def run_targets(
         # The peer's strikes are timed against the server's own steps.
         say("    one server at a time: the peer scenario is timed")
         jobs = 1
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
+    pool = ThreadPoolExecutor(max(1, jobs))
+    try:
         futures = [pool.submit(one, t, sc) for t, sc in runs]
-        rows = [f.result() for f in futures]
+        rows = [row for f in futures if (row := f.result()) is not None]
+    except BaseException:
+        # After an interrupt or a run that failed, start no other server;
+        # the running ones stop as their Server contexts exit.
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     report: list[str] = []
     summary = [one_line(t.label, row) for (t, _), row in zip(runs, rows, strict=True)]
     records = [record(t, row) for (t, _), row in zip(runs, rows, strict=True)]

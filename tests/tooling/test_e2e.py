@@ -257,3 +257,25 @@ def test_servers_at_a_time_keep_the_report_in_order(monkeypatch, tmp_path, short
     assert [line for line in report if line.startswith("### ")] == [
         f"### {t.label} ({t.tree})" for t in targets
     ]
+
+
+def test_a_run_that_fails_starts_no_other_server(monkeypatch, tmp_path):
+    """A server that fails to start (or an interrupt) ends the runs: the
+    ones not started yet never start, as when they ran one at a time."""
+    from prove import e2e
+
+    started: list[str] = []
+
+    def fake_run(t, sc):
+        started.append(f"{t.label} {sc.name}")
+        raise ForkError("vllm serve not ready")
+
+    monkeypatch.setattr(e2e, "OUT", tmp_path)
+    monkeypatch.setattr(e2e, "run_scenario", fake_run)
+    targets = [
+        e2e.Target(_Series("0.20.2"), "series", tmp_path, Path("python")),
+        e2e.Target(_Series("0.33.0"), "series", tmp_path, Path("python")),
+    ]
+    with pytest.raises(ForkError, match="not ready"):
+        e2e.run_targets(targets, short=True, jobs=1)
+    assert started == ["v0.20.2-series seed000"]
