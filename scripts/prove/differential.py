@@ -62,142 +62,13 @@ from lib.cli import main_guard, parser
 from lib.paths import DEFAULT_SERIES, ROOT, WORK, rel
 from lib.series import Series, find_series, version_key
 from lib.venv import release_venv, series_venv
+from prove.declared_effects import EFFECTS, Effect, condition
 from prove.worker_client import Worker
 
 OUT = WORK / "differential"
 # Trace families (tests/harness/traces.py): general traces, the CPU offload
 # connector's liveness scenarios, and both under async scheduling.
 FAMILIES = ("mixed", "offload", "async-mixed", "async-offload")
-
-
-@dataclass(frozen=True)
-class Effect:
-    """What a patch may change, and when: `patch` is part of its file name,
-    `when` a condition on the trace and the steps so far (CONDITIONS)."""
-
-    patch: str
-    observables: frozenset[str]
-    when: str
-    why: str
-
-
-# The scheduling that follows a different load or store (what is cached,
-# what is free, what is admitted) differs too.
-AFTER_TRANSFERS = frozenset({"free", "sched", "running", "waiting", "finished"})
-EFFECTS = [
-    Effect(
-        "Pin-SimpleCPUOffload-CPU-hits",
-        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
-        "loads",
-        "CPU hits stay pinned from lookup to load: loads the base lost happen",
-    ),
-    Effect(
-        "Store-the-final-blocks",
-        AFTER_TRANSFERS | {"stores", "ended"},
-        "eager",
-        "eager offload: a request that finishes in the step its last block is "
-        "computed keeps its blocks until that block is stored",
-    ),
-    Effect(
-        "Order-SimpleCPUOffload-GPU-CPU-stores",
-        AFTER_TRANSFERS | {"stores", "loads", "ended"},
-        "stores",
-        "stores wait for the compute that wrote their blocks",
-    ),
-    Effect(
-        "store-only-blocks-that",
-        AFTER_TRANSFERS | {"stores", "loads", "ended"},
-        "stores",
-        "eager stores skip block ids that no longer hold their position",
-    ),
-    Effect(
-        "touch-every-group-s-prefix-hits",
-        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted"},
-        "hybrid-loads",
-        "hybrid requests with CPU hits take every group's prefix hits first",
-    ),
-    Effect(
-        "go-on-to-the-requests-that-hold",
-        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
-        "loads",
-        "where the scan stops for blocks, finished async loads waiting behind it go on",
-    ),
-    Effect(
-        "break-a-KV-deadlock",
-        frozenset({"free", "preempted"}),
-        "idle",
-        "with nothing running and the scan stopped for blocks, one waiting "
-        "request that holds blocks gives them back, reported as preempted",
-    ),
-    Effect(
-        "Free-a-request-s-KV-blocks-only-after",
-        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
-        "overlapped",
-        "under async scheduling, blocks of a request that ends or is preempted "
-        "while a step in flight computes it come back a step later",
-    ),
-    Effect(
-        "Drop-sliding-window-blocks-by-the",
-        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
-        "overlapped-window",
-        "under async scheduling, sliding-window blocks a step in flight still "
-        "writes are dropped a step later",
-    ),
-    Effect(
-        "Streaming-input-drop-the-hashes",
-        AFTER_TRANSFERS | {"loads", "stores", "remote_waiting", "preempted", "ended"},
-        "session-chunks",
-        "a streaming session's next chunk drops the hashes of the blocks it "
-        "truncates: where the release hit those stale hashes, the prefix hits "
-        "differ, and what is computed, cached and moved after them",
-    ),
-    Effect(
-        "Streaming-input-a-session-preempted",
-        AFTER_TRANSFERS | {"loads", "stores", "remote_waiting", "preempted", "ended"},
-        "session-chunks",
-        "under async scheduling, a session stopped by the output of a step in "
-        "flight at its preemption keeps its context for its next chunk, and "
-        "stays queued: it computes the tokens the release dropped, or runs "
-        "where the release left it in no queue",
-    ),
-    Effect(
-        "admit-an-async-KV-load",
-        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
-        "loads",
-        "an async KV load waits while in-flight prefills need the blocks",
-    ),
-]
-
-
-def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int):
-    """Whether `name` holds at step i (records up to i of both trees)."""
-    if name == "idle":
-        # The base scheduled nothing at step i, with nothing running and
-        # requests waiting: the only steps where a deadlock can be broken.
-        step = base[i]
-        return not step["sched"] and not step["running"] and bool(step["waiting"])
-    if name == "session-chunks":
-        # A session's next chunk has been sent (the record index is at least
-        # the trace step: a reset's run to idle adds records).
-        first = trace.get("first_chunk_step")
-        return first is not None and i >= first
-    if not trace["offload"]:
-        return False
-    if name == "overlapped-window":
-        return bool(trace.get("async_scheduling")) and trace["hybrid"]
-    if name == "eager":
-        return not trace["lazy"]
-    if name == "overlapped":
-        return bool(trace.get("async_scheduling"))
-    seen = [*base[: i + 1], *series[: i + 1]]
-    if name == "stores":
-        return any(r["stores"] for r in seen)
-    loads = any(r["loads"] or r["remote_waiting"] for r in seen)
-    if name == "loads":
-        return loads
-    if name == "hybrid-loads":
-        return trace["hybrid"] and loads
-    raise ValueError(f"unknown condition {name}")
 
 
 @dataclass
@@ -342,6 +213,12 @@ def base_cache_dir(version: str) -> Path:
     return OUT / "base-cache" / f"v{version}-{digest.hexdigest()[:12]}"
 
 
+def read_cached(cache: Path | None, name: str) -> dict[str, Any] | None:
+    """A trace's results kept in `cache`, or None."""
+    path = cache / name if cache is not None else None
+    return json.loads(path.read_text()) if path and path.exists() else None
+
+
 def run_traces(
     python: Path,
     base_tree: Path,
@@ -354,12 +231,15 @@ def run_traces(
     base_cache: Path | None = None,
     families: tuple[str, ...] = FAMILIES,
     newest: tuple[Path, Path] | None = None,
+    newest_cache: Path | None = None,
 ) -> tuple[list[Verdict], list[str]]:
     """Run the traces of `seeds` of each family on both trees; the verdicts
     and a report. The workers log into `out`. With `base_cache`, the base's
     results are read from there when present (and written there when not).
     `newest` (python, tree): the newest bare release, run on the same traces
-    for its stall count."""
+    for its stall count; with `newest_cache`, its results are read from
+    there when present (a run whose base is that release, given it as its
+    `base_cache`, wrote them)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from harness.traces import FAMILIES as GENERATORS
 
@@ -374,21 +254,23 @@ def run_traces(
     # The newest release's own series: its base is the newest bare release,
     # and a trace runs the same there twice (a third of the step's time).
     newest_is_base = newest is not None and newest[1].resolve() == base_tree.resolve()
-    if newest is not None and not newest_is_base:
-        workers["newest"] = worker("newest", newest[1], newest[0])
     verdicts: list[Verdict] = []
     kinds: Counter[tuple[str, str]] = Counter()
     try:
         for family in families:
             for seed in seeds:
-                cached = None
-                if base_cache is not None:
-                    path = base_cache / f"{family}-{seeds.start}-{seed}.json"
-                    cached = json.loads(path.read_text()) if path.exists() else None
+                name = f"{family}-{seeds.start}-{seed}.json"
+                cached = read_cached(base_cache, name)
                 if cached is None and "base" not in workers:
                     workers["base"] = worker("base", base_tree)
-                for name, w in workers.items():
-                    if name != "base" or cached is None:
+                newest_cached = None
+                if newest is not None and not newest_is_base:
+                    newest_cached = read_cached(newest_cache, name)
+                    if newest_cached is None and "newest" not in workers:
+                        workers["newest"] = worker("newest", newest[1], newest[0])
+                skip = {"base": cached, "newest": newest_cached}
+                for w_name, w in workers.items():
+                    if skip.get(w_name) is None:
                         w.send(f"{seed} {family}")
                 what = f"{family} trace {seed}"
                 base = cached or workers["base"].receive(what, timeout)
@@ -397,9 +279,11 @@ def run_traces(
                 if newest_is_base:
                     newest_stalled = base["stalled"]
                 elif newest is not None:
-                    newest_stalled = workers["newest"].receive(what, timeout)["stalled"]
+                    bare = newest_cached or workers["newest"].receive(what, timeout)
+                    newest_stalled = bare["stalled"]
                 if base_cache is not None and cached is None:
                     base_cache.mkdir(parents=True, exist_ok=True)
+                    path = base_cache / name
                     tmp = path.with_suffix(f".{os.getpid()}")
                     tmp.write_text(json.dumps(base))
                     tmp.replace(path)  # whole or not at all: two runs may race

@@ -177,7 +177,7 @@ def test_the_newest_release_as_its_own_base_runs_each_trace_once(monkeypatch, tm
     base, series, other = tmp_path / "base", tmp_path / "series", tmp_path / "new"
     for newest, workers in [
         (base, ["series", "base"]),
-        (other, ["series", "newest", "base"]),
+        (other, ["series", "base", "newest"]),
     ]:
         FakeWorker.started = []
         verdicts, _ = differential.run_traces(
@@ -193,3 +193,39 @@ def test_the_newest_release_as_its_own_base_runs_each_trace_once(monkeypatch, tm
         )
         assert FakeWorker.started == workers
         assert [v.newest_stalled for v in verdicts] == [True]
+
+
+def test_the_newest_bare_results_of_one_run_serve_the_next(monkeypatch, tmp_path):
+    """make test: the newest release's differential keeps its base's results,
+    and another series' run reads its liveness goal from them instead of
+    running the newest bare release again; a trace not kept is run."""
+    monkeypatch.setattr(differential, "Worker", FakeWorker)
+    newest, other, kept = tmp_path / "newest", tmp_path / "other", tmp_path / "kept"
+
+    def run(base, seeds, **caches):
+        FakeWorker.started = []
+        verdicts, _ = differential.run_traces(
+            tmp_path / "python",
+            base,
+            tmp_path / "series",
+            [],
+            seeds,
+            progress=False,
+            out=tmp_path,
+            families=("mixed",),
+            newest=(tmp_path / "python", newest),
+            **caches,
+        )
+        return verdicts
+
+    run(newest, range(2), base_cache=kept)
+    assert sorted(p.name for p in kept.iterdir()) == [
+        "mixed-0-0.json",
+        "mixed-0-1.json",
+    ]
+    verdicts = run(other, range(2), newest_cache=kept)
+    assert FakeWorker.started == ["series", "base"]
+    assert [v.newest_stalled for v in verdicts] == [True, True]
+    (kept / "mixed-0-1.json").unlink()
+    run(other, range(2), newest_cache=kept)
+    assert FakeWorker.started == ["series", "base", "newest"]
