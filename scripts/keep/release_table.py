@@ -26,6 +26,8 @@ from lib.paths import DEFAULT_SERIES, ROOT, rel
 from lib.series import Series, find_series, version_key
 
 LEDGER = ROOT / "scripts" / "data" / "ledger.toml"
+# The R labels given for good (release_patches).
+FIX_IDS = ROOT / "scripts" / "data" / "fix_ids.toml"
 BEGIN = "<!-- release table: scripts/keep/release_table.py writes this -->"
 END = "<!-- end of release table -->"
 
@@ -51,17 +53,39 @@ def carried(
     return found
 
 
-def release_patches(default: Series, all_series: list[Series]) -> dict[str, str]:
+def pinned_fix_ids(path: Path = FIX_IDS) -> dict[str, str]:
+    """Subject -> R label of every fix that has one for good (FIX_IDS)."""
+    if not path.is_file():
+        return {}
+    return dict(tomllib.loads(path.read_text()).get("pinned", {}))
+
+
+def release_patches(
+    default: Series, all_series: list[Series], pinned: dict[str, str] | None = None
+) -> dict[str, str]:
     """Patches that only other releases' series carry (upstream has a bug
     there that the default release lacks), by subject: labelled R1, R2, ...
-    in the order of the oldest release that carries each."""
+    An id once given is kept (`pinned`, default FIX_IDS), so that a fix
+    added later on an older release does not renumber the others; a fix not
+    pinned yet takes the next number, in the order of the oldest release
+    that carries it. Ordered by label."""
+    pinned = pinned_fix_ids() if pinned is None else pinned
     numbers = {p.subject() for p in default.patches()}
+    subjects = {p.subject() for s in all_series for p in s.patches()}
     labels: dict[str, str] = {}
+    # The numbers of the pinned fixes these series carry are taken.
+    taken = {int(label[1:]) for s, label in pinned.items() if s in subjects}
     for s in sorted(all_series, key=lambda s: version_key(s.base().version)):
         for p in s.patches():
-            if p.subject() not in numbers and p.subject() not in labels:
-                labels[p.subject()] = f"R{len(labels) + 1}"
-    return labels
+            subject = p.subject()
+            if subject in numbers or subject in labels:
+                continue
+            if subject in pinned:
+                labels[subject] = pinned[subject]
+            else:
+                taken.add(n := max(taken, default=0) + 1)
+                labels[subject] = f"R{n}"
+    return dict(sorted(labels.items(), key=lambda item: int(item[1][1:])))
 
 
 def first_affected(ledger: Path = LEDGER) -> dict[str, str]:

@@ -132,6 +132,25 @@ def test_the_prefix_cache_resets_while_frees_wait_for_a_step_in_flight():
     assert e.block_pool.get_num_free_blocks() == 31
 
 
+def test_a_reset_counts_a_block_only_if_every_reference_to_it_waits():
+    """The reset's count, on the pool itself: a deferred block that a live
+    request shares (its ref_cnt above the holds) still counts as used; one
+    held twice by deferred frees counts once; the null block never counts
+    (0011 on 0.19.0-0.23.0, R8 on 0.24.0-0.33.0)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BS)
+    blocks = pool.get_new_blocks(2)
+    pool.touch([blocks[0]])  # a live request shares the first block
+    assert not pool.reset_prefix_cache(held_blocks=blocks)
+    pool.free_blocks([blocks[0]])  # it lets go: the deferred free holds both
+    assert not pool.reset_prefix_cache(held_blocks=blocks[1:])
+    pool.touch([blocks[1]])  # two deferred frees of one block
+    assert pool.reset_prefix_cache(
+        held_blocks=[pool.null_block, blocks[0], blocks[1], blocks[1]]
+    )
+
+
 def test_deferred_blocks_come_back_once_their_step_is_processed():
     """A request that stops with its next step in flight gives its blocks
     back when that step's output is processed, not a step later: it is

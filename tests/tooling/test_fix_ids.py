@@ -9,7 +9,7 @@ import re
 import pytest
 
 from keep.fix_ids import fix_ids, progress_label, series_fix_ids
-from keep.release_table import BEGIN, END
+from keep.release_table import BEGIN, END, pinned_fix_ids, release_patches
 from lib.errors import ForkError
 from lib.paths import ROOT
 from lib.series import Series, find_series, series_for_version
@@ -42,6 +42,41 @@ def test_every_patch_has_exactly_one_fix_id(series: Series):
     assert len(found) == len(series.patches())
     assert len(set(found)) == len(found)
     assert all(re.fullmatch(r"\d{4}|R\d+", f) for f in found)
+
+
+def test_every_release_fix_has_its_id_for_good():
+    """Each R label is in scripts/data/fix_ids.toml: the README, the ledger,
+    the docs and past commit messages name fixes by it."""
+    pinned = pinned_fix_ids()
+    given = release_patches(ALL[0], ALL)
+    loose = {s: label for s, label in given.items() if pinned.get(s) != label}
+    assert not loose, f"add to scripts/data/fix_ids.toml: {loose}"
+
+
+class FakeSeries:
+    """What release_patches reads of a series: its release and subjects."""
+
+    def __init__(self, version: str, subjects: list[str]) -> None:
+        self.version, self.subjects = version, subjects
+
+    def base(self):
+        return self
+
+    def patches(self):
+        return [type("P", (), {"subject": lambda _, s=s: s})() for s in self.subjects]
+
+
+def test_a_fix_added_later_on_an_older_release_renumbers_none():
+    default = FakeSeries("0.20.2", ["Default fix"])
+    newer = FakeSeries("0.30.0", ["Default fix", "Newer fix"])
+    older = FakeSeries("0.24.0", ["Default fix", "Added later"])
+    # Unpinned, the fix on the older release would take R1 from "Newer fix".
+    assert release_patches(default, [default, newer, older], pinned={}) == {
+        "Added later": "R1",
+        "Newer fix": "R2",
+    }
+    kept = release_patches(default, [default, newer, older], pinned={"Newer fix": "R1"})
+    assert kept == {"Newer fix": "R1", "Added later": "R2"}
 
 
 def test_the_readme_table_names_fixes_by_their_ids():

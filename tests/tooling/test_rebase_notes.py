@@ -105,13 +105,14 @@ def test_fix_ids_are_written_for_kept_dropped_and_added_patches():
     series = next(s for s in RELEASES if s.dir.name == "v0.28.0")
     kept = series.patches()[2].name  # 0003 there, fix 0004
     dropped = "0003-KVConnector-Pin-SimpleCPUOffload-CPU-hits-until-they.patch"
-    added = series.patches()[-1].name
+    added_patch = next(p for p in series.patches() if "session-preempted" in p.name)
+    added = added_patch.name  # fix 0017 there
     text = (
         "| patch | state | detail | now |\n| --- | --- | --- | --- |\n"
         f"| 0009-old-name.patch | clean | applies | {kept} |\n"
         f"| {dropped} | upstream | fixed | dropped |\n\n{ADDED_HEADING}\n\n"
         "| patch | subject | how |\n| --- | --- | --- |\n"
-        f"| {added} | {series.patches()[-1].subject()} | by hand |\n"
+        f"| {added} | {added_patch.subject()} | by hand |\n"
     )
     written = with_fix_ids(text, series, ids, slugs)
     rows = [cells(line) for line in written.splitlines() if line.startswith("|")]
