@@ -135,17 +135,26 @@ def test_the_prefix_cache_resets_while_frees_wait_for_a_step_in_flight():
 def test_a_reset_counts_a_block_only_if_every_reference_to_it_waits():
     """The reset's count, on the pool itself: a deferred block that a live
     request shares (its ref_cnt above the holds) still counts as used; one
-    held twice by deferred frees counts once; the null block never counts
-    (0011 on 0.19.0-0.23.0, R8 on 0.24.0-0.33.0)."""
+    held twice by deferred frees counts once; the null block never counts;
+    where a group can have a pool of its own (0.30.0 on), another pool's
+    block with the same id is no hold. The reset of 0011 (0.19.0-0.23.0)
+    and of the fix written onto upstream's deferral (0.24.0-0.33.0)."""
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BS)
     blocks = pool.get_new_blocks(2)
     pool.touch([blocks[0]])  # a live request shares the first block
     assert not pool.reset_prefix_cache(held_blocks=blocks)
+    if hasattr(KVCacheCoordinator, "reset_prefix_cache"):  # several pools
+        other = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BS)
+        (foreign,) = other.get_new_blocks(1)
+        assert foreign.block_id == blocks[0].block_id
+        assert not pool.reset_prefix_cache(held_blocks=[foreign, *blocks])
     pool.free_blocks([blocks[0]])  # it lets go: the deferred free holds both
     assert not pool.reset_prefix_cache(held_blocks=blocks[1:])
     pool.touch([blocks[1]])  # two deferred frees of one block
+    pool.null_block.ref_cnt = 1  # its ref_cnt is not kept: any value
     assert pool.reset_prefix_cache(
         held_blocks=[pool.null_block, blocks[0], blocks[1], blocks[1]]
     )
