@@ -151,6 +151,11 @@ def test_a_reset_counts_a_block_only_if_every_reference_to_it_waits():
         (foreign,) = other.get_new_blocks(1)
         assert foreign.block_id == blocks[0].block_id
         assert not pool.reset_prefix_cache(held_blocks=[foreign, *blocks])
+        # A larger pool's block with an id past this pool's last.
+        big = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=BS)
+        beyond = big.get_new_blocks(len(pool.blocks))[-1]
+        assert beyond.block_id == len(pool.blocks)
+        assert not pool.reset_prefix_cache(held_blocks=[beyond, *blocks])
     pool.free_blocks([blocks[0]])  # it lets go: the deferred free holds both
     assert not pool.reset_prefix_cache(held_blocks=blocks[1:])
     pool.touch([blocks[1]])  # two deferred frees of one block
