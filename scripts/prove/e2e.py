@@ -286,6 +286,22 @@ def record(t: Target, r: Row) -> dict:
     }
 
 
+def in_pool(one, runs: list, jobs: int, stop: threading.Event) -> list:
+    """`one` on each run, `jobs` at a time, the results in order; after a
+    failure or an interrupt no run not yet started starts."""
+    pool = ThreadPoolExecutor(jobs)
+    try:
+        futures = [pool.submit(one, t, sc) for t, sc in runs]
+        return [row for f in futures if (row := f.result()) is not None]
+    except BaseException:
+        # After an interrupt or a run that failed, start no other server;
+        # the running ones stop as their Server contexts exit.
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def run_targets(
     targets: list[Target], short: bool, only: list[str] | None = None, jobs: int = 1
 ) -> tuple[bool, list[str], list[str]]:
@@ -329,17 +345,12 @@ def run_targets(
         # The peer's strikes are timed against the server's own steps.
         say("    one server at a time: the peer scenario is timed")
         jobs = 1
-    pool = ThreadPoolExecutor(max(1, jobs))
-    try:
-        futures = [pool.submit(one, t, sc) for t, sc in runs]
-        rows = [row for f in futures if (row := f.result()) is not None]
-    except BaseException:
-        # After an interrupt or a run that failed, start no other server;
-        # the running ones stop as their Server contexts exit.
-        stop.set()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    if jobs <= 1:
+        # In the calling thread: Ctrl-C stops a server's start at once (a
+        # worker thread would finish the start before the pool saw it).
+        rows = [one(t, sc) for t, sc in runs]
+    else:
+        rows = in_pool(one, runs, jobs, stop)
     report: list[str] = []
     summary = [one_line(t.label, row) for (t, _), row in zip(runs, rows, strict=True)]
     records = [record(t, row) for (t, _), row in zip(runs, rows, strict=True)]

@@ -279,3 +279,23 @@ def test_a_run_that_fails_starts_no_other_server(monkeypatch, tmp_path):
     with pytest.raises(ForkError, match="not ready"):
         e2e.run_targets(targets, short=True, jobs=1)
     assert started == ["v0.20.2-series seed000"]
+
+
+def test_one_server_at_a_time_runs_in_the_calling_thread(monkeypatch, tmp_path):
+    """With one server at a time the runs are the caller's own: Ctrl-C
+    reaches a server's start at once, not after it in a worker thread."""
+    import threading
+
+    from prove import e2e
+
+    threads: set[str] = set()
+
+    def fake_run(t, sc):
+        threads.add(threading.current_thread().name)
+        return healthy(sc.name, t.kind)
+
+    monkeypatch.setattr(e2e, "OUT", tmp_path)
+    monkeypatch.setattr(e2e, "run_scenario", fake_run)
+    targets = [e2e.Target(_Series("0.20.2"), "series", tmp_path, Path("python"))]
+    ok, _, _ = e2e.run_targets(targets, short=True, jobs=1)
+    assert ok and threads == {threading.current_thread().name}
