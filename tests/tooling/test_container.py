@@ -132,6 +132,9 @@ def pyc_source_size(pyc: Path) -> int:
     return int.from_bytes(pyc.read_bytes()[12:16], "little")
 
 
+# A fresh venv, a wheel installed and compiled: 45 s of make test's budget
+# (make test-slow runs it; make image builds the real thing there too).
+@pytest.mark.slow
 def test_image_build_lays_the_files_over_upstream(
     series, tree, upstream_like_wheel, context, make_env
 ):

@@ -2,7 +2,8 @@
 
 The fast tests repack an upstream-like wheel built here from the release's
 own vllm/ (plus a fake compiled kernel); test_real_upstream_wheel (slow,
-make test-slow) does the same with upstream's 244 MB wheel from PyPI.
+make test-slow) does the same with upstream's 244 MB wheel from PyPI, and
+test_installs_and_the_reproducers_pass (slow too) installs the wheel.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def test_same_series_gives_the_same_bytes(series, tree, upstream_like_wheel, pat
     assert sha(again) == sha(patched)
 
 
+# A fresh venv and a pytest run against it: 40 s of make test's budget
+# (make test-slow runs it, with the real wheel's test).
+@pytest.mark.slow
 def test_installs_and_the_reproducers_pass(series, patched, make_env, tmp_path):
     env = make_env()
     env.pip_install(patched)
