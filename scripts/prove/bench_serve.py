@@ -5,22 +5,23 @@ smaller than what the prompts share, so prefixes come back from the CPU)
 it starts `vllm serve` from both trees at once, with make e2e's model-free
 worker (prove.e2e_server.Server, prove.e2e.serve_args), and drives them in
 turn with the openai client (scripts/prove/e2e_load.py, workload "bench":
---serve-requests plain requests at --concurrency), the order alternating
-round by round. A run's requests/s are its answered requests over its
-wall time; its latencies are each answered request's, send to answer.
-Wall time: the server's processes, the client and the rest of the machine
-share its cores, so keep the machine otherwise quiet. Each run also
+--serve-requests plain requests at --concurrency; one client process for
+all of a configuration's runs), the order alternating round by round. A
+run's requests/s are its answered requests over its wall time; its
+latencies are each answered request's, send to answer. Wall time: the
+server's processes, the client and the rest of the machine share its
+cores, so keep the machine otherwise quiet. Each run also
 records the CPU time of the server's processes (Server.cpu_seconds), per
 answered request: on a machine with fewer cores than the server and its
 client use, wall time moves by a quarter from run to run, and the CPU time
-is where the series' cost shows. It is read before the client starts and
-after it exits, so it also holds the server's idle time while the client
-starts (both trees alike).
+is where the series' cost shows. It is read just before the client is
+given the run and just after its answer.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,7 +29,6 @@ from pathlib import Path
 from lib.cli import say, step
 from lib.errors import ForkError
 from lib.paths import ROOT, WORK, rel
-from lib.proc import run
 from prove.bench_report import ServeRun
 from prove.e2e import serve_args
 from prove.e2e_server import Server
@@ -59,30 +59,65 @@ def started(
     return stack.enter_context(Server(python, tree, version, serve, {}, log))
 
 
-def one_run(python: Path, server: Server, args) -> ServeRun:
+class Client:
+    """One e2e_load.py process for a configuration's runs: a run is a
+    server URL on its stdin, its answer a JSON line. Without a client start
+    (1-3 s of imports) before each run, the server's CPU is read right
+    around the requests, and 20 starts a release are saved."""
+
+    def __init__(self, python: Path, args, log: Path) -> None:
+        self.log_path = log
+        self.log = open(log, "w")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [
+                str(python),
+                str(LOAD_CLIENT),
+                "--runs-from-stdin",
+                "--workload",
+                "bench",
+                "--requests",
+                str(args.serve_requests),
+                "--concurrency",
+                str(args.concurrency),
+            ],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+
+    def run(self, url: str) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(url + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            return json.loads(line)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ForkError(f"the bench client failed: see {rel(self.log_path)}") from e
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def one_run(client: Client, server: Server) -> ServeRun:
     cpu_before = server.cpu_seconds()
-    proc = run(
-        [
-            str(python),
-            str(LOAD_CLIENT),
-            "--url",
-            server.url,
-            "--workload",
-            "bench",
-            "--requests",
-            str(args.serve_requests),
-            "--concurrency",
-            str(args.concurrency),
-        ],
-        cwd=ROOT,
-        check=False,
-        capture=True,
-    )
+    result = client.run(server.url)
     cpu_seconds = server.cpu_seconds() - cpu_before
-    try:
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError) as e:
-        raise ForkError(f"the bench client failed: {proc.stderr[-2000:]}") from e
     latencies = result["latencies"]
     return ServeRun(
         requests=len(latencies),
@@ -122,11 +157,14 @@ def serve_part(
                 for kind, tree in trees.items()
             }
             servers = {kind: f.result() for kind, f in starting.items()}
+            client = stack.enter_context(
+                Client(python, args, OUT / f"{stem}-client.log")
+            )
             runs: dict[str, list[ServeRun]] = {kind: [] for kind in trees}
             for r in range(rounds):
                 order = list(trees) if r % 2 == 0 else list(trees)[::-1]
                 for kind in order:
-                    runs[kind].append(one_run(python, servers[kind], args))
+                    runs[kind].append(one_run(client, servers[kind]))
                     got = runs[kind][-1]
                     say(
                         f"    {kind}: {got.requests} answered in {got.seconds:.1f}s "

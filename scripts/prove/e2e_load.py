@@ -25,6 +25,7 @@ import asyncio
 import json
 import random
 import re
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -263,9 +264,7 @@ async def main_async(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--url", required=True, help="the server, e.g. http://127.0.0.1:8000"
-    )
+    p.add_argument("--url", help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--concurrency", type=int, default=32)
@@ -273,7 +272,23 @@ def main() -> None:
     # The server's --max-model-len: no prompt + output is longer.
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--deadline", type=float, default=300.0, help="seconds in all")
-    print(json.dumps(asyncio.run(main_async(p.parse_args()))))
+    p.add_argument(
+        "--runs-from-stdin",
+        action="store_true",
+        help="one run per server URL read from stdin (--url is then ignored), "
+        "a JSON line each, until EOF: make bench's runs without a client "
+        "start (1-3 s of imports) between them",
+    )
+    args = p.parse_args()
+    if not args.runs_from_stdin and not args.url:
+        p.error("--url is required (or --runs-from-stdin)")
+    if not args.runs_from_stdin:
+        print(json.dumps(asyncio.run(main_async(args))))
+        return
+    for line in sys.stdin:
+        if line.strip():
+            args.url = line.strip()
+            print(json.dumps(asyncio.run(main_async(args))), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,13 @@ tests/harness_tests/test_scale.py."""
 
 from __future__ import annotations
 
+import argparse
+import http.server
+import json
 import math
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -257,3 +263,65 @@ def test_both_trees_are_timed_at_once_unless_serial(r):
         f"send {second}",
         f"receive {second}",
     ]
+
+
+# The tests run in .venv, which has vLLM's requirements (openai among them).
+VENV_PYTHON = Path(sys.executable)
+
+
+class _Completions(http.server.BaseHTTPRequestHandler):
+    """Just enough of /v1/completions for the bench workload."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.hits += 1  # type: ignore[attr-defined]
+        body = json.dumps(
+            {
+                "id": "c",
+                "object": "text_completion",
+                "created": 0,
+                "model": "e2e",
+                "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+                "usage": {
+                    "prompt_tokens": len(asked["prompt"]),
+                    "completion_tokens": asked["max_tokens"],
+                    "total_tokens": len(asked["prompt"]) + asked["max_tokens"],
+                },
+            }
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_one_bench_client_serves_every_run_it_is_given(tmp_path):
+    """make bench's server runs go through one client process: a run per
+    URL given, each answered in full, to the server named."""
+    from prove.bench_serve import Client
+
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Completions)]
+    servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Completions))
+    for s in servers:
+        s.hits = 0  # type: ignore[attr-defined]
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    args = argparse.Namespace(serve_requests=5, concurrency=2)
+    try:
+        with Client(VENV_PYTHON, args, tmp_path / "client.log") as client:
+            for s in [servers[0], servers[1], servers[0]]:
+                got = client.run(f"http://127.0.0.1:{s.server_address[1]}")
+                assert got["outcomes"] == ["ok"] * 5
+                assert len(got["latencies"]) == 5
+        assert [s.hits for s in servers] == [10, 5]  # type: ignore[attr-defined]
+        assert client.proc.returncode == 0
+    finally:
+        for s in servers:
+            s.shutdown()
