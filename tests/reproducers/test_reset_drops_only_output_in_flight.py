@@ -123,24 +123,35 @@ def test_a_reset_with_one_step_in_flight_drops_it():
     assert_each_token_at_its_position(e, a, b)
 
 
-def test_a_preemption_after_a_reset_keeps_its_output_in_flight():
+@pytest.mark.parametrize(
+    ("async_scheduling", "num_gpu_blocks", "num_requests"),
+    # The plain Scheduler preempts a request with a step in flight in
+    # fewer configurations: three requests on 9 blocks do.
+    [(True, 10, 2), (False, 9, 3)],
+)
+def test_a_preemption_after_a_reset_keeps_its_output_in_flight(
+    async_scheduling, num_gpu_blocks, num_requests
+):
     """A reset, then KV pressure preempts a request with steps in flight
-    (three pipeline stages, 10 blocks for two 48-token prompts decoding 40
-    tokens): that output was sampled after the reset and is kept, as any
+    (three pipeline stages, 48-token prompts decoding 40 tokens on a few
+    blocks): that output was sampled after the reset and is kept, as any
     preemption's (0016), not dropped and sampled again. Only the reset's
-    own stale output is dropped."""
+    own stale output is dropped: under either scheduler, the reset's mark
+    ends at the request's next preemption."""
     e = Engine(
         HarnessConfig(
-            num_gpu_blocks=10,
+            num_gpu_blocks=num_gpu_blocks,
             offload=False,
             prefix_caching=False,
-            async_scheduling=True,
+            async_scheduling=async_scheduling,
             pipeline_parallel_size=3,
         )
     )
-    a = e.add_request(PROMPT, max_tokens=40)
-    b = e.add_request(list(range(200, 248)), max_tokens=40)
-    if not hasattr(e.requests[a], "num_stale_steps"):
+    req_ids = [
+        e.add_request(list(range(100 + 100 * j, 148 + 100 * j)), max_tokens=40)
+        for j in range(num_requests)
+    ]
+    if not hasattr(e.requests[req_ids[0]], "num_stale_steps"):
         pytest.skip("watches the series' count of stale steps (patch 0016)")
     for _ in range(4):
         e.step()
@@ -163,7 +174,7 @@ def test_a_preemption_after_a_reset_keeps_its_output_in_flight():
 
     e.run(max_steps=500, after_step=watch)
     assert kept and all(n > 0 for n in kept), kept
-    assert {a, b} <= e.stats.finished
-    for req_id in (a, b):
+    assert set(req_ids) <= e.stats.finished
+    for req_id in req_ids:
         want = [sampled_token(req_id, 48 + i) for i in range(40)]
         assert list(e.requests[req_id].output_token_ids) == want, req_id
