@@ -78,6 +78,17 @@ EFFECTS = [
         "while a step in flight computes it come back a step later",
     ),
     Effect(
+        # R5 (0.24.0-0.29.0; upstream from 0.30.0): where frees are deferred
+        # (a consuming connector under async scheduling), a preemption would
+        # give back no block until the step in flight is processed.
+        "do-not-preempt-a-request-whose-blocks",
+        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
+        "overlapped",
+        "under async scheduling with a consuming connector, a running request "
+        "whose blocks a step in flight still uses is not preempted for blocks "
+        "its preemption would only defer",
+    ),
+    Effect(
         "Drop-sliding-window-blocks-by-the",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
         "overlapped-window",
