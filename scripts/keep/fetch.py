@@ -11,6 +11,8 @@ and `rebase` fetch the tag from there.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import shutil
@@ -18,6 +20,7 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
@@ -91,6 +94,30 @@ def ensure_sdist(base: Base, base_file: Path, cache: Path = CACHE) -> Path:
         )
     part.rename(path)
     return path
+
+
+@contextlib.contextmanager
+def import_lock(cache: Path) -> Iterator[None]:
+    """Hold the cache's import lock for a download and import.
+
+    Two processes that need the same release at once (pytest-xdist
+    workers on a fresh cache, a make target beside a test run) would both
+    download into one .part file and both write its tag; the second tag
+    write fails. fcntl's lock (the standard library's; the filelock package
+    would need a venv that fetch, run by the system python, cannot count
+    on) ends with the process, so an interrupt leaves nothing to clean.
+    """
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "import.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"    waiting for another process's import ({rel(cache)}/import.lock)")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def upstream_repo(cache: Path = CACHE) -> Path:
@@ -179,6 +206,13 @@ def ensure_base(
     source = source or base.source
     if source == "sdist" and not base.sdist_url:
         raise ForkError(f"{rel(base_file)} pins a git commit, not an sdist")
+    with import_lock(cache):
+        return _ensure_base_locked(base, base_file, cache, source)
+
+
+def _ensure_base_locked(
+    base: Base, base_file: Path, cache: Path, source: str
+) -> Path:
     repo = upstream_repo(cache)
     if git_ok(repo, "rev-parse", "-q", "--verify", f"refs/tags/{base.tag}"):
         message = git(repo, "log", "-1", "--format=%B", base.tag)

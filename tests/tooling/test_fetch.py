@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 from conftest import Upstream, git
 
@@ -37,6 +39,21 @@ def test_import_is_deterministic(upstream: Upstream, tmp_path):
     assert git(one, "rev-parse", base.tag) == git(two, "rev-parse", base.tag)
     files = git(one, "ls-tree", "-r", "--name-only", base.tag).split()
     assert "vllm/v1/core/block_pool.py" in files and "PKG-INFO" not in files
+
+
+def test_two_processes_import_one_release_into_a_fresh_cache(
+    upstream: Upstream, tmp_path
+):
+    """As two pytest-xdist workers that need the same release do: both get
+    the tag, and neither fails on the other's tag or download."""
+    base = upstream.series.base()
+    cache = tmp_path / "fresh"
+    args = (base, upstream.series.base_file, cache)
+    with ProcessPoolExecutor(2) as pool:
+        repos = list(pool.map(ensure_base, *zip(args, args)))
+    assert repos[0] == repos[1]
+    assert git(repos[0], "tag", "--list") == base.tag
+    assert not list((cache / "sdist").glob("*.part"))
 
 
 def test_unreachable_url_is_a_clear_error(upstream: Upstream, tmp_path):
