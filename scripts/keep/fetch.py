@@ -210,9 +210,7 @@ def ensure_base(
         return _ensure_base_locked(base, base_file, cache, source)
 
 
-def _ensure_base_locked(
-    base: Base, base_file: Path, cache: Path, source: str
-) -> Path:
+def _ensure_base_locked(base: Base, base_file: Path, cache: Path, source: str) -> Path:
     repo = upstream_repo(cache)
     if git_ok(repo, "rev-parse", "-q", "--verify", f"refs/tags/{base.tag}"):
         message = git(repo, "log", "-1", "--format=%B", base.tag)

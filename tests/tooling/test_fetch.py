@@ -48,9 +48,12 @@ def test_two_processes_import_one_release_into_a_fresh_cache(
     the tag, and neither fails on the other's tag or download."""
     base = upstream.series.base()
     cache = tmp_path / "fresh"
-    args = (base, upstream.series.base_file, cache)
     with ProcessPoolExecutor(2) as pool:
-        repos = list(pool.map(ensure_base, *zip(args, args)))
+        repos = list(
+            pool.map(
+                ensure_base, [base] * 2, [upstream.series.base_file] * 2, [cache] * 2
+            )
+        )
     assert repos[0] == repos[1]
     assert git(repos[0], "tag", "--list") == base.tag
     assert not list((cache / "sdist").glob("*.part"))
