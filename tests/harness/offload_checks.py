@@ -33,6 +33,16 @@ def new_request(
     )
 
 
+def loaded_blocks(e: Engine) -> set[int]:
+    """Run `e` until idle; the GPU blocks the connector loaded into."""
+    loaded: set[int] = set()
+    while e.busy():
+        so = e.step()
+        meta = getattr(so, "kv_connector_metadata", None) if so else None
+        loaded |= set(getattr(meta, "load_gpu_blocks", ()) or ())
+    return loaded
+
+
 def group_block_hashes(e: Engine, req: Request, group: int) -> Any:
     """The request's block hashes counted in `group`'s blocks: a group whose
     blocks are larger than the hash block is cached under the hash of all

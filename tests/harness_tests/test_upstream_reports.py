@@ -27,18 +27,9 @@ from harness.mamba import (
     prompt_on_the_cpu_only,
     skip_where_a_load_is_refused,
 )
+from harness.offload_checks import loaded_blocks
 
 EXTENSION = list(range(900, 917))
-
-
-def loaded_blocks(e: Engine) -> set[int]:
-    """Run `e` until idle; the GPU blocks the connector loaded into."""
-    loaded: set[int] = set()
-    while e.busy():
-        so = e.step()
-        meta = getattr(so, "kv_connector_metadata", None) if so else None
-        loaded |= set(getattr(meta, "load_gpu_blocks", ()) or ())
-    return loaded
 
 
 def source_has(obj: object, text: str) -> bool:
@@ -125,3 +116,41 @@ def test_a_mamba_state_deeper_than_the_attention_hit():
         assert (0, 3, ("zeroed",)) in missing
     else:
         assert e.runner.violations == []
+
+
+# --- ledger row offload-idle-store-holds-blocks --------------------------------
+
+
+def test_an_engine_stepped_only_while_it_has_work_and_its_last_store():
+    """EngineCore steps only while the scheduler has requests. A store
+    launched in a request's last steps completes in a later step, so where
+    nothing keeps the engine stepping for it, the engine idles with the
+    store in flight: its GPU blocks stay held, and the prefix-cache reset of
+    a weight update refuses (reset_running_requests=True raises). 0.33.0's
+    connector keeps the engine stepping while it has stores queued or in
+    flight (has_pending_push_work) and the reset succeeds."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import (
+        simple_cpu_offload_connector as connector_module,
+    )
+
+    keeps_stepping = source_has(connector_module, "def has_pending_push_work")
+    # One block of prefill per step: the prompt's second block is computed
+    # in the step that finishes the request; stores complete two steps on.
+    e = Engine(
+        HarnessConfig(
+            num_gpu_blocks=32,
+            num_cpu_blocks=32,
+            max_num_batched_tokens=16,
+            transfer_delay=lambda is_store: 2 if is_store else 0,
+        )
+    )
+    e.add_request(list(range(100, 132)), max_tokens=1)
+    while e.scheduler.has_requests() or e.in_flight:
+        e.step()
+    held = e.cfg.num_gpu_blocks - 1 - e.block_pool.get_num_free_blocks()
+    if keeps_stepping:
+        assert held == 0
+        assert e.scheduler.reset_prefix_cache()
+    else:
+        assert held > 0, "the idle engine's store in flight holds GPU blocks"
+        assert not e.scheduler.reset_prefix_cache()

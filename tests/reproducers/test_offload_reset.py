@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok
-from harness.offload_checks import cpu_block_of, new_request
+from harness.offload_checks import cpu_block_of, loaded_blocks, new_request
 
 PROMPT = list(range(100, 148))  # three full blocks of 16
 EXTENSION = list(range(900, 917))
@@ -30,16 +30,6 @@ def engine(delay_stores: int = 0, delay_loads: int = 0) -> Engine:
             transfer_delay=lambda is_store: delay_stores if is_store else delay_loads,
         )
     )
-
-
-def loaded_blocks(e: Engine) -> set[int]:
-    """Run `e` until idle; the GPU blocks the connector loaded into."""
-    loaded: set[int] = set()
-    while e.busy():
-        so = e.step()
-        meta = getattr(so, "kv_connector_metadata", None) if so else None
-        loaded |= set(getattr(meta, "load_gpu_blocks", ()) or ())
-    return loaded
 
 
 def assert_cpu_pool_free(e: Engine) -> None:
