@@ -33,14 +33,16 @@ def new_request(
     )
 
 
-def loaded_blocks(e: Engine) -> set[int]:
+def loaded_blocks(e: Engine, max_steps: int = 1_000) -> set[int]:
     """Run `e` until idle; the GPU blocks the connector loaded into."""
     loaded: set[int] = set()
-    while e.busy():
+    for _ in range(max_steps):
+        if not e.busy():
+            return loaded
         so = e.step()
         meta = getattr(so, "kv_connector_metadata", None) if so else None
         loaded |= set(getattr(meta, "load_gpu_blocks", ()) or ())
-    return loaded
+    raise AssertionError(f"still busy after {max_steps} steps")
 
 
 def group_block_hashes(e: Engine, req: Request, group: int) -> Any:
