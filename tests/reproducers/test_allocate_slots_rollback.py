@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import logging
 import re
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from vllm.v1.request import Request
 from harness.engine import Engine, HarnessConfig, unsupported_layout
 from harness.invariants import assert_manager_ok, manager_snapshot
 from harness.kv_manager import computed_blocks, make_layout_manager
+from harness.logs import warnings_of
 from harness.offload_checks import lost_or_wrong_cpu_blocks
 from harness.peer import PeerEngine
 
@@ -308,34 +308,17 @@ def test_a_running_producers_refused_copy_on_write_in_the_engine():
     assert_manager_ok(manager, all_done=True)
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def test_each_refusal_is_logged():
     # A refusal is rare (the count said yes): each one logs a warning that
     # names the request and the pool's error.
     manager = make_manager(("full", "swa"), num_blocks=24)
     peer = PeerEngine(manager.block_pool)
-    log = logging.getLogger("vllm.v1.core.kv_cache_manager")
-    records, level = Records(), log.level
-    log.addHandler(records)
-    log.setLevel(logging.DEBUG)
-    try:
+    with warnings_of("vllm.v1.core.kv_cache_manager") as warnings:
         for n in range(3):
             req = make_request(f"r{n}", list(range(100 * n, 100 * n + 16 * 6)))
             peer.arm(1)
             assert not schedule(manager, req, req.num_tokens)
             peer.release()
-    finally:
-        log.removeHandler(records)
-        log.setLevel(level)
-    warnings = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
     assert len(warnings) == 3, warnings
     for n, warning in enumerate(warnings):
         assert f"request r{n} " in warning and "Cannot get" in warning, warning

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok
+from harness.logs import warnings_of
 from harness.offload_checks import cpu_block_of, loaded_blocks, new_request
 
 PROMPT = list(range(100, 148))  # three full blocks of 16
@@ -70,8 +71,14 @@ def test_a_reset_refuses_while_a_store_is_in_flight_and_loses_nothing():
     step_until(e, lambda off: off._store_event_to_blocks)
     free = e.offload.cpu_block_pool.get_num_free_blocks()
 
-    assert e.scheduler.reset_connector_cache() is False
+    with warnings_of("vllm.v1.simple_kv_offload.manager") as warnings:
+        assert e.scheduler.reset_connector_cache() is False
     assert e.offload.cpu_block_pool.get_num_free_blocks() == free
+    # The refusal says what holds the CPU blocks; upstream's reset (0.24.0
+    # on) abandons the store instead, and logs no count.
+    abandons = hasattr(e.offload, "_abandoned_store_event_to_blocks")
+    counted = [w for w in warnings if "0 loads and 1 stores are in flight" in w]
+    assert abandons or len(counted) == 1, warnings
 
     e.run()
     a = new_request(e, PROMPT)
@@ -113,3 +120,23 @@ def test_a_reset_releases_the_pin_of_a_request_waiting_for_blocks():
     assert_cpu_pool_free(e)
     # Considered again, it finds no hit and computes its prompt.
     assert e.offload.get_num_new_matched_tokens(b, 0) == (0, False)
+
+
+def test_a_refusal_counts_a_finished_requests_store():
+    """The store of a finished request's last block (the series' store on
+    finish) is queued until the next step launches it; a reset in between
+    refuses, and its warning counts that store with the others."""
+    e = engine(delay_stores=2)
+    e.add_request(PROMPT, max_tokens=1)
+    step_until(e, lambda off: off._finish_flushes)
+    off = e.offload
+    stores = len(off._store_event_to_blocks) + len(off._finish_flushes)
+    with warnings_of("vllm.v1.simple_kv_offload.manager") as warnings:
+        assert e.scheduler.reset_connector_cache() is False
+    assert any(
+        f"{len(off._reqs_to_load)} loads and {stores} stores are in flight" in w
+        for w in warnings
+    ), warnings
+    e.run()
+    assert e.scheduler.reset_prefix_cache(reset_connector=True)
+    assert_cpu_pool_free(e)
