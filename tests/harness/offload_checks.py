@@ -18,6 +18,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.request import Request
 
 from harness.engine import ContentOracle, Engine
+from harness.invariants import assert_pool_ok
 
 
 def new_request(
@@ -30,6 +31,16 @@ def new_request(
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         pooling_params=None,
         block_hasher=e.block_hasher,
+    )
+
+
+def assert_cpu_pool_free(e: Engine) -> None:
+    """Every CPU block back in the pool (a hash may stay: cached, unheld)."""
+    assert_pool_ok(
+        e.offload.cpu_block_pool,
+        all_done=True,
+        label="CPU pool",
+        hashed_means_cached=False,
     )
 
 

@@ -14,9 +14,13 @@ waits for blocks.
 from __future__ import annotations
 
 from harness.engine import Engine, HarnessConfig
-from harness.invariants import assert_pool_ok
 from harness.logs import warnings_of
-from harness.offload_checks import cpu_block_of, loaded_blocks, new_request
+from harness.offload_checks import (
+    assert_cpu_pool_free,
+    cpu_block_of,
+    loaded_blocks,
+    new_request,
+)
 
 PROMPT = list(range(100, 148))  # three full blocks of 16
 EXTENSION = list(range(900, 917))
@@ -30,15 +34,6 @@ def engine(delay_stores: int = 0, delay_loads: int = 0) -> Engine:
             num_cpu_blocks=32,
             transfer_delay=lambda is_store: delay_stores if is_store else delay_loads,
         )
-    )
-
-
-def assert_cpu_pool_free(e: Engine) -> None:
-    assert_pool_ok(
-        e.offload.cpu_block_pool,
-        all_done=True,
-        label="CPU pool",
-        hashed_means_cached=False,
     )
 
 
