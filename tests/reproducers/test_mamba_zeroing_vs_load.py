@@ -34,7 +34,11 @@ def run_collecting(e: Engine, mode: str) -> tuple[set[int], set[int], set[int]]:
     loaded: set[int] = set()
     both: set[int] = set()
     with skip_where_a_load_is_refused(mode):
-        while e.busy():
+        # Bounded: a request that never leaves the waiting queue (a stalled
+        # mutant) fails the test instead of hanging it.
+        for _ in range(1_000):
+            if not e.busy():
+                break
             so = e.step()
             if so is None:
                 continue
@@ -43,6 +47,8 @@ def run_collecting(e: Engine, mode: str) -> tuple[set[int], set[int], set[int]]:
             zeroed |= zero
             loaded |= load
             both |= zero & load
+        else:
+            raise AssertionError("still busy after 1,000 steps")
     return zeroed, loaded, both
 
 
