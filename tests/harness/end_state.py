@@ -1,6 +1,6 @@
 """What must hold once an engine has nothing left to do: every block of
 every KV cache group back in the pool, and no request state left behind in
-the scheduler or the connector.
+the scheduler, the connector or the workers.
 
 Checked at the end of every Engine.run() that leaves no request in the
 scheduler (harness.engine), so every test and trace that drains its
@@ -74,4 +74,10 @@ def end_state_violations(engine: Any) -> list[str]:
     offload = engine.offload
     if offload is not None:
         out += leftover_request_state(offload, finished, "connector")
+    # The workers learn of a finished request from the next step's
+    # finished_req_ids: an engine that stops stepping before it tells them
+    # leaves that request's state (block table, input batch row) behind.
+    told = sorted(set(engine.runner.tables) & finished)
+    if told:
+        out.append(f"runner still holds the block tables of {told[:3]}")
     return out

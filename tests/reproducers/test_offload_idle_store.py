@@ -1,0 +1,92 @@
+"""Reproducer for an idle engine's last store (ledger row
+offload-idle-store-holds-blocks).
+
+EngineCore steps only while `Scheduler.has_requests()`. A SimpleCPUOffload
+store launched in a request's last steps completes in a later step, and the
+GPU blocks it copies from stay held until then. Where nothing keeps the
+engine stepping for it, an engine that has answered its last request idles
+with that store in flight: its blocks stay held until new traffic comes, and
+the prefix-cache reset an RL framework runs after draining (a weight update:
+`reset_running_requests=True`) raises "Failed to reset KV cache". With the
+fix the connector answers `has_pending_push_work()` (the hook the scheduler
+reads from 0.24.0; 0.30.0's connector answers it) while a store is queued or
+in flight, and the engine steps until it completes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.engine import Engine, HarnessConfig
+
+
+def engine(store_delay: int, **overrides) -> Engine:
+    # A delay keeps a store in flight for that many steps after its launch.
+    overrides.setdefault("num_gpu_blocks", 32)
+    return Engine(
+        HarnessConfig(
+            num_cpu_blocks=32,
+            transfer_delay=lambda is_store: store_delay if is_store else 0,
+            **overrides,
+        )
+    )
+
+
+def step_as_engine_core(e: Engine, max_steps: int = 1_000) -> None:
+    """Step only while the scheduler says it has requests (or a step of the
+    batch queue is still out), as EngineCore's busy loop does before it
+    blocks on its input queue."""
+    for _ in range(max_steps):
+        if not (e.scheduler.has_requests() or e.in_flight):
+            return
+        e.step()
+    raise AssertionError(f"still stepping after {max_steps} steps")
+
+
+def held_gpu_blocks(e: Engine) -> int:
+    return e.cfg.num_gpu_blocks - 1 - e.block_pool.get_num_free_blocks()
+
+
+def drained(store_delay: int, **overrides) -> Engine:
+    """One block of prefill per step, so the prompt's second block is
+    computed in the step that finishes the request: its store is launched
+    then and completes `store_delay` steps on."""
+    overrides.setdefault("max_num_batched_tokens", 16)
+    e = engine(store_delay, **overrides)
+    e.add_request(list(range(100, 132)), max_tokens=1)
+    step_as_engine_core(e)
+    return e
+
+
+def test_an_idle_engine_holds_no_blocks_for_its_last_store():
+    e = drained(store_delay=2)
+    assert held_gpu_blocks(e) == 0, "the idle engine's store holds GPU blocks"
+    assert e.scheduler.reset_prefix_cache()
+
+
+def test_a_weight_update_after_the_engine_drained_resets_the_caches():
+    e = drained(store_delay=2)
+    # An RL framework's reset after a weight update: it raises "Failed to
+    # reset KV cache" where a block is still held.
+    assert e.scheduler.reset_prefix_cache(
+        reset_running_requests=True, reset_connector=True
+    )
+    assert held_gpu_blocks(e) == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("store_delay", [0, 1, 2])
+@pytest.mark.parametrize("max_tokens", [1, 2, 17])
+def test_no_store_outlives_the_engines_last_step(
+    max_tokens: int, store_delay: int, async_scheduling: bool
+):
+    """Where the release idles with nothing held, the series must too: its
+    store of a finished request's last blocks (0004) is queued at the
+    finish and launched in the next step, which an idle engine never takes
+    unless the connector asks for it."""
+    e = engine(store_delay, async_scheduling=async_scheduling)
+    e.add_request(list(range(100, 148)), max_tokens=max_tokens)
+    step_as_engine_core(e)
+    assert held_gpu_blocks(e) == 0, "the idle engine's store holds GPU blocks"
+    assert not e.offload.has_pending_stores()
+    assert e.scheduler.reset_prefix_cache()
