@@ -52,6 +52,14 @@ EFFECTS = [
         "eager stores skip block ids that no longer hold their position",
     ),
     Effect(
+        "keep-the-engine-steppin",
+        AFTER_TRANSFERS | {"stores", "loads", "ended"},
+        "stores",
+        "the engine takes empty steps while a store is queued or in flight "
+        "(async scheduling launches one where it only processed the step in "
+        "flight): stores complete, and free their blocks, at other steps",
+    ),
+    Effect(
         "touch-every-group-s-prefix-hits",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted"},
         "hybrid-loads",
@@ -126,6 +134,9 @@ def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int
     if name == "idle":
         # The base scheduled nothing at step i, with nothing running and
         # requests waiting: the only steps where a deadlock can be broken.
+        # Past the base's last step (the series took more) it did nothing.
+        if i >= len(base):
+            return False
         step = base[i]
         return not step["sched"] and not step["running"] and bool(step["waiting"])
     if name == "session-chunks":

@@ -90,3 +90,27 @@ def test_no_store_outlives_the_engines_last_step(
     assert held_gpu_blocks(e) == 0, "the idle engine's store holds GPU blocks"
     assert not e.offload.has_pending_stores()
     assert e.scheduler.reset_prefix_cache()
+
+
+def test_a_multi_connector_answers_for_its_offload_connector():
+    """SimpleCPUOffload behind a MultiConnector (with a P/D connector, say)
+    keeps the engine stepping too: MultiConnector asks each connector.
+    Built around the harness's own connector, without MultiConnector's
+    __init__, which would build a second one from the config."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
+        MultiConnector,
+    )
+
+    e = engine(store_delay=2, max_num_batched_tokens=16)
+    multi = MultiConnector.__new__(MultiConnector)
+    multi._connectors = [e.scheduler.connector]
+    e.add_request(list(range(100, 132)), max_tokens=1)
+    seen = False
+    for _ in range(100):
+        if not e.busy():
+            break
+        e.step()
+        seen |= multi.has_pending_push_work()
+        assert multi.has_pending_push_work() == e.offload.has_pending_stores()
+    assert seen, "no store was pending while the request ran"
+    assert not multi.has_pending_push_work()

@@ -93,6 +93,24 @@ def test_a_run_that_goes_on_longer_diverges_where_the_other_ended():
     assert v.kind == "FAILED" and "['ended']" in v.detail
 
 
+def test_a_series_that_steps_on_after_the_base_ended():
+    # 0023 keeps the engine stepping until a store completes: the series'
+    # record can run past the base's last one. Every effect's condition is
+    # then asked about a step the base never took (the deadlock break's
+    # read the base's record past its end and crashed the oracle).
+    base = rec(step(stores=2))
+    series = rec(step(stores=2), step(sched=[], running=0))
+    keep = [e for e in differential.EFFECTS if "keep-the-engine" in e.patch]
+    v = compare(0, LAZY, base, series, keep)
+    assert v.kind == "explained" and "keep-the-engine" in v.detail
+    deadlock = [e for e in differential.EFFECTS if "break-a-KV-deadlock" in e.patch]
+    v = compare(0, LAZY, base, series, deadlock)
+    assert v.kind == "FAILED" and "['ended']" in v.detail
+    # Without a store in play, the extra step is not the keep-alive's.
+    v = compare(0, LAZY, rec(step()), rec(step(), step(sched=[])), keep)
+    assert v.kind == "FAILED"
+
+
 def rec_done(*steps, completed=(), stalled=False, crash=None):
     return {
         **rec(*steps, crash=crash),
