@@ -104,6 +104,35 @@ def first_affected(ledger: Path = LEDGER) -> dict[str, str]:
     return first
 
 
+def still_open(ledger: Path = LEDGER) -> dict[str, tuple[str, str]]:
+    """Per carried patch's subject, the last release its carried rows reach
+    and the release upstream fixed it in (empty: none): a release between
+    the two has the bug, and its series does not carry the fix ('open')."""
+    if not ledger.is_file():
+        return {}
+    spans: dict[str, tuple[str, str]] = {}
+    for row in tomllib.loads(ledger.read_text()).get("bug", []):
+        subject, span = row.get("patch"), row.get("affected")
+        if row.get("verdict") != "carried" or not subject or not span:
+            continue
+        end, fixed = spans.get(subject, (span[1], row.get("fixed_in", "")))
+        if version_key(span[1]) >= version_key(end):
+            end, fixed = span[1], row.get("fixed_in", "")
+        spans[subject] = (end, fixed)
+    return spans
+
+
+def cell(version: tuple, start: str | None, span: tuple[str, str] | None) -> str:
+    """A default-series patch that `version`'s series does not carry."""
+    if start and version < version_key(start):
+        return "-"
+    if span and version > version_key(span[0]):
+        fixed = span[1]
+        if not fixed or version < version_key(fixed):
+            return "open"
+    return "upstream"
+
+
 def table(all_series: list[Series] | None = None) -> str:
     all_series = all_series or find_series()
     default = all_series[0]
@@ -114,18 +143,15 @@ def table(all_series: list[Series] | None = None) -> str:
         "| release | series | " + " | ".join([*numbers, *extra.values()]) + " |",
         "| --- | --- |" + " :-: |" * (len(numbers) + len(extra)),
     ]
-    starts = first_affected()
+    starts, spans = first_affected(), still_open()
     start_of = {p.name[:4]: starts.get(p.subject()) for p in default.patches()}
+    span_of = {p.name[:4]: spans.get(p.subject()) for p in default.patches()}
     for s in rows:
         have = set(carried(default, s, extra))
         where = rel(s.dir) + "/"
         version = version_key(s.base().version)
         cells = [
-            "yes"
-            if n in have
-            else "-"
-            if start_of[n] and version < version_key(start_of[n])
-            else "upstream"
+            "yes" if n in have else cell(version, start_of[n], span_of[n])
             for n in numbers
         ]
         cells += ["yes" if n in have else "-" for n in extra.values()]

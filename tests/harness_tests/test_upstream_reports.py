@@ -158,3 +158,46 @@ def test_an_engine_stepped_only_while_it_has_work_and_its_last_store():
     else:
         assert held > 0, "the idle engine's store in flight holds GPU blocks"
         assert not e.scheduler.reset_prefix_cache()
+
+
+# --- ledger row offload-lazy-idle-store-loop -----------------------------------
+
+
+def test_a_lazy_engine_kept_stepping_for_its_stores():
+    """Lazy mode's scan stores free cached GPU blocks from the free queue's
+    head in every step, one that schedules nothing too. Where the connector
+    keeps an idle engine stepping while any store is in flight (0.33.0's
+    has_pending_push_work, in lazy mode as in eager), and the CPU tier is
+    smaller than what the GPU prefix cache holds, each empty step's scan
+    starts a store of blocks whose CPU copies the last store evicted: the
+    engine never goes idle. The fork's keep-alive (0023) answers in eager
+    mode only, and the releases before 0.30.0 have none: those go idle.
+    Which outcome is pinned follows the code."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import (
+        simple_cpu_offload_connector as connector_module,
+    )
+
+    hook = getattr(
+        connector_module.SimpleCPUOffloadConnector, "has_pending_push_work", None
+    )
+    lazy_kept_alive = hook is not None and "_lazy_mode" not in inspect.getsource(hook)
+    e = Engine(
+        HarnessConfig(
+            num_gpu_blocks=8,
+            num_cpu_blocks=4,
+            lazy=True,
+            max_num_batched_tokens=32,
+            transfer_delay=lambda is_store: 1 if is_store else 0,
+        )
+    )
+    for i in range(3):
+        e.add_request(list(range(100 + 40 * i, 140 + 40 * i)), max_tokens=2)
+    steps = 0
+    while (e.scheduler.has_requests() or e.in_flight) and steps < 300:
+        e.step()
+        steps += 1
+    assert not e.scheduler.requests, "every request finished"
+    if lazy_kept_alive:
+        assert steps == 300, "the idle engine went on storing"
+    else:
+        assert steps < 300

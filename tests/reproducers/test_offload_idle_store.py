@@ -23,9 +23,9 @@ from harness.engine import Engine, HarnessConfig
 def engine(store_delay: int, **overrides) -> Engine:
     # A delay keeps a store in flight for that many steps after its launch.
     overrides.setdefault("num_gpu_blocks", 32)
+    overrides.setdefault("num_cpu_blocks", 32)
     return Engine(
         HarnessConfig(
-            num_cpu_blocks=32,
             transfer_delay=lambda is_store: store_delay if is_store else 0,
             **overrides,
         )
@@ -90,6 +90,33 @@ def test_no_store_outlives_the_engines_last_step(
     assert held_gpu_blocks(e) == 0, "the idle engine's store holds GPU blocks"
     assert not e.offload.has_pending_stores()
     assert e.scheduler.reset_prefix_cache()
+
+
+@pytest.mark.parametrize(
+    ("num_gpu_blocks", "num_cpu_blocks", "store_delay", "prompts"),
+    [(32, 8, 2, 4), (32, 64, 0, 4), (8, 4, 1, 3), (12, 4, 2, 3)],
+)
+def test_a_lazy_engine_goes_idle(
+    num_gpu_blocks: int, num_cpu_blocks: int, store_delay: int, prompts: int
+):
+    """Lazy mode stores free, cached GPU blocks from the free queue's head
+    in any step, one with nothing scheduled too, so the keep-alive leaves
+    it out: kept stepping for lazy stores, an engine whose CPU tier is
+    smaller than what its GPU prefix cache holds stores for ever (the last
+    two cases, as bare 0.33.0 does: ledger row offload-lazy-idle-store-loop).
+    Lazy mode goes idle as the release does, its stores in flight then held
+    until new traffic."""
+    e = engine(
+        store_delay,
+        lazy=True,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        max_num_batched_tokens=32,
+    )
+    for i in range(prompts):
+        e.add_request(list(range(100 + 40 * i, 140 + 40 * i)), max_tokens=2)
+    step_as_engine_core(e, max_steps=300)
+    assert not e.scheduler.requests
 
 
 def test_a_multi_connector_answers_for_its_offload_connector():

@@ -322,3 +322,34 @@ affected = ["0.19.0", "0.33.0"]
     )
     header = release_table.table().splitlines()[0].split("|")
     assert row.split("|")[header.index(" 0018 ")].strip() == "-"
+
+
+def test_the_release_table_marks_a_release_the_fix_skips_as_open(tmp_path):
+    """Past the last release a carried row reaches and before upstream's
+    fix, a series without the patch has the bug: 'open', not 'upstream'."""
+    data = tmp_path / "ledger.toml"
+    data.write_text(
+        """
+[[bug]]
+verdict = "carried"
+patch = "Fix A"
+affected = ["0.19.0", "0.28.0"]
+fixed_in = "0.30.0"
+"""
+    )
+    spans = release_table.still_open(data)
+    assert spans == {"Fix A": ("0.28.0", "0.30.0")}
+    key = release_table.version_key
+    assert release_table.cell(key("0.29.0"), "0.19.0", spans["Fix A"]) == "open"
+    assert release_table.cell(key("0.30.0"), "0.19.0", spans["Fix A"]) == "upstream"
+    assert release_table.cell(key("0.28.0"), "0.19.0", spans["Fix A"]) == "upstream"
+    assert release_table.cell(key("0.19.0"), "0.20.0", None) == "-"
+    # The committed table: 0023's keep-alive cannot go to 0.29.0 (row
+    # offload-idle-store-holds-blocks-0.29).
+    row = next(
+        line
+        for line in release_table.table().splitlines()
+        if line.startswith("| 0.29.0 |")
+    )
+    header = release_table.table().splitlines()[0].split("|")
+    assert row.split("|")[header.index(" 0023 ")].strip() == "open"
