@@ -28,9 +28,11 @@ EngineCore does for pipeline parallelism.
 The worker is driven as each release's model runner drives its connector
 (KVConnectorModelRunnerMixin): handle_preemptions, bind, start_load_kv,
 forward, wait_for_save, get_finished, build_connector_worker_meta, clear.
-Releases differ in which of these launch the copies (up to 0.24
-get_finished launches both; from 0.30 start_load_kv loads and wait_for_save
-stores), so all of them are called.
+Releases differ in which of these launch the copies (up to 0.28
+get_finished launches both; from 0.29 start_load_kv loads and wait_for_save
+stores), so all of them are called, except wait_for_save in a step that
+schedules nothing where the release's kv_connector_no_forward skips it
+(up to 0.30).
 
 A content tag names the exact tokens a block holds (the chain of token
 blocks before it, and its own tokens, counted in its group's block size),
@@ -575,6 +577,20 @@ def make_offload_worker(
     return worker, backend
 
 
+def _no_forward_skips_save() -> bool:
+    """Whether this release's runner skips the connector's wait_for_save in
+    a step that schedules nothing (kv_connector_no_forward)."""
+    from vllm.v1.worker.kv_connector_model_runner_mixin import (
+        KVConnectorModelRunnerMixin,
+    )
+
+    no_forward = KVConnectorModelRunnerMixin.kv_connector_no_forward
+    return "wait_for_save=False" in inspect.getsource(no_forward)
+
+
+NO_FORWARD_SKIPS_SAVE = _no_forward_skips_save()
+
+
 def worker_step(
     worker: SimpleCPUOffloadWorker | None,
     runner: FakeModelRunner,
@@ -606,7 +622,11 @@ def worker_step(
             out = runner.execute(so, step)
             if not before:
                 worker.start_load_kv()
-            worker.wait_for_save()
+            # A step that schedules nothing runs no forward: the runner's
+            # kv_connector_no_forward, which up to 0.30 skips wait_for_save
+            # (where 0.29-0.30's worker launches stores).
+            if so.total_num_scheduled_tokens > 0 or not NO_FORWARD_SKIPS_SAVE:
+                worker.wait_for_save()
             sending, recving = worker.get_finished(so.finished_req_ids)
             invalid = failed_loads(recving)
             out.kv_connector_output = KVConnectorOutput(
