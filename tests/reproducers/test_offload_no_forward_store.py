@@ -23,22 +23,29 @@ FIRST = list(range(100, 148))  # three blocks of 16
 SECOND = list(range(500, 548))
 
 
+def unwritten_cpu_blocks(e: Engine, empty_steps: int) -> list[str]:
+    """A first request, prefilled one block a step, finishes in the step
+    that computes its last block; `empty_steps` steps that schedule nothing
+    follow. A later request's stores then complete and move the worker's
+    high-water mark past any store those steps planned. The CPU blocks
+    cached with content no store wrote."""
+    first = e.add_request(FIRST, max_tokens=1)
+    while first not in e.stats.finished:
+        e.step()
+    for _ in range(empty_steps):
+        e.step()
+    second = e.add_request(SECOND, max_tokens=4)
+    e.run(max_steps=300)
+    return [p for p in lost_or_wrong_cpu_blocks(e, [first, second]) if "wrong" in p]
+
+
 def test_a_store_planned_in_a_step_without_a_forward_reaches_the_cpu():
+    """The series' store of a finished request's last blocks (0004) is
+    planned in the step after the request finished, empty here."""
     e = Engine(
         HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32, max_num_batched_tokens=16)
     )
-    first = e.add_request(FIRST, max_tokens=1)
-    # One block of prefill per step: the last block is computed in the step
-    # that finishes the request, and the step after it schedules nothing.
-    while first not in e.stats.finished:
-        e.step()
-    e.step()
-    # A later request's stores complete and move the worker's high-water
-    # mark past the first one's.
-    second = e.add_request(SECOND, max_tokens=4)
-    e.run(max_steps=200)
-    wrong = [p for p in lost_or_wrong_cpu_blocks(e, [first, second]) if "wrong" in p]
-    assert wrong == [], "the CPU caches blocks no store wrote"
+    assert unwritten_cpu_blocks(e, empty_steps=1) == []
 
 
 def test_a_lazy_store_planned_in_a_step_without_a_forward_completes():
@@ -51,12 +58,4 @@ def test_a_lazy_store_planned_in_a_step_without_a_forward_completes():
             num_gpu_blocks=12, num_cpu_blocks=64, lazy=True, max_num_batched_tokens=16
         )
     )
-    first = e.add_request(FIRST, max_tokens=1)
-    while first not in e.stats.finished:
-        e.step()
-    e.step()
-    e.step()
-    second = e.add_request(SECOND, max_tokens=4)
-    e.run(max_steps=300)
-    wrong = [p for p in lost_or_wrong_cpu_blocks(e, [first, second]) if "wrong" in p]
-    assert wrong == [], "the CPU caches blocks no store wrote"
+    assert unwritten_cpu_blocks(e, empty_steps=2) == []
