@@ -20,6 +20,7 @@ import inspect
 import pytest
 
 from harness.engine import Engine, HarnessConfig
+from harness.engine_core import held_gpu_blocks, offload_engine, step_as_engine_core
 from harness.mamba import (
     PROMPT,
     attention_evicted_past_the_mamba_state,
@@ -140,18 +141,10 @@ def test_an_engine_stepped_only_while_it_has_work_and_its_last_store():
     keeps_stepping = source_has(connector_module, "def has_pending_push_work")
     # One block of prefill per step: the prompt's second block is computed
     # in the step that finishes the request; stores complete two steps on.
-    e = Engine(
-        HarnessConfig(
-            num_gpu_blocks=32,
-            num_cpu_blocks=32,
-            max_num_batched_tokens=16,
-            transfer_delay=lambda is_store: 2 if is_store else 0,
-        )
-    )
+    e = offload_engine(store_delay=2, max_num_batched_tokens=16)
     e.add_request(list(range(100, 132)), max_tokens=1)
-    while e.scheduler.has_requests() or e.in_flight:
-        e.step()
-    held = e.cfg.num_gpu_blocks - 1 - e.block_pool.get_num_free_blocks()
+    step_as_engine_core(e)
+    held = held_gpu_blocks(e)
     if keeps_stepping:
         assert held == 0
         assert e.scheduler.reset_prefix_cache()
@@ -166,38 +159,40 @@ def test_an_engine_stepped_only_while_it_has_work_and_its_last_store():
 def test_a_lazy_engine_kept_stepping_for_its_stores():
     """Lazy mode's scan stores free cached GPU blocks from the free queue's
     head in every step, one that schedules nothing too. Where the connector
-    keeps an idle engine stepping while any store is in flight (0.33.0's
+    keeps an idle engine stepping while any store is in flight (0.30.0's
     has_pending_push_work, in lazy mode as in eager), and the CPU tier is
     smaller than what the GPU prefix cache holds, each empty step's scan
     starts a store of blocks whose CPU copies the last store evicted: the
     engine never goes idle. The fork's keep-alive (0023) answers in eager
-    mode only, and the releases before 0.30.0 have none: those go idle.
-    Which outcome is pinned follows the code."""
+    mode only, the releases before 0.30.0 have none, and the series of
+    0.30.0-0.33.0 start no lazy store in a step taken for stores alone
+    (_stepping_only_for_stores): those go idle. Which outcome is pinned
+    follows the code."""
     from vllm.distributed.kv_transfer.kv_connector.v1 import (
         simple_cpu_offload_connector as connector_module,
     )
+    from vllm.v1.simple_kv_offload import manager as manager_module
 
     hook = getattr(
         connector_module.SimpleCPUOffloadConnector, "has_pending_push_work", None
     )
     lazy_kept_alive = hook is not None and "_lazy_mode" not in inspect.getsource(hook)
-    e = Engine(
-        HarnessConfig(
-            num_gpu_blocks=8,
-            num_cpu_blocks=4,
-            lazy=True,
-            max_num_batched_tokens=32,
-            transfer_delay=lambda is_store: 1 if is_store else 0,
-        )
+    loops = lazy_kept_alive and not source_has(
+        manager_module, "def _stepping_only_for_stores"
+    )
+    e = offload_engine(
+        store_delay=1,
+        lazy=True,
+        num_gpu_blocks=8,
+        num_cpu_blocks=4,
+        max_num_batched_tokens=32,
     )
     for i in range(3):
         e.add_request(list(range(100 + 40 * i, 140 + 40 * i)), max_tokens=2)
-    steps = 0
-    while (e.scheduler.has_requests() or e.in_flight) and steps < 300:
-        e.step()
-        steps += 1
-    assert not e.scheduler.requests, "every request finished"
-    if lazy_kept_alive:
-        assert steps == 300, "the idle engine went on storing"
+    if loops:
+        with pytest.raises(AssertionError, match="still stepping"):
+            step_as_engine_core(e, max_steps=300)
+        assert not e.scheduler.requests, "every request finished"
     else:
-        assert steps < 300
+        step_as_engine_core(e, max_steps=300)
+        assert not e.scheduler.requests, "every request finished"

@@ -17,34 +17,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engine import Engine, HarnessConfig
-
-
-def engine(store_delay: int, **overrides) -> Engine:
-    # A delay keeps a store in flight for that many steps after its launch.
-    overrides.setdefault("num_gpu_blocks", 32)
-    overrides.setdefault("num_cpu_blocks", 32)
-    return Engine(
-        HarnessConfig(
-            transfer_delay=lambda is_store: store_delay if is_store else 0,
-            **overrides,
-        )
-    )
-
-
-def step_as_engine_core(e: Engine, max_steps: int = 1_000) -> None:
-    """Step only while the scheduler says it has requests (or a step of the
-    batch queue is still out), as EngineCore's busy loop does before it
-    blocks on its input queue."""
-    for _ in range(max_steps):
-        if not (e.scheduler.has_requests() or e.in_flight):
-            return
-        e.step()
-    raise AssertionError(f"still stepping after {max_steps} steps")
-
-
-def held_gpu_blocks(e: Engine) -> int:
-    return e.cfg.num_gpu_blocks - 1 - e.block_pool.get_num_free_blocks()
+from harness.engine import Engine
+from harness.engine_core import held_gpu_blocks, step_as_engine_core
+from harness.engine_core import offload_engine as engine
 
 
 def drained(store_delay: int, **overrides) -> Engine:

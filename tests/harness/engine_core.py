@@ -1,0 +1,40 @@
+"""Stepping the harness as EngineCore's busy loop does: only while the
+scheduler says it has requests, so an engine can go idle with work left
+(tests/reproducers/test_offload_idle_store.py, test_offload_lazy_idle.py,
+tests/harness_tests/test_upstream_reports.py)."""
+
+from __future__ import annotations
+
+from harness.engine import Engine, HarnessConfig
+
+
+def offload_engine(store_delay: int, **overrides) -> Engine:
+    """SimpleCPUOffload on the harness, 32 GPU and 32 CPU blocks unless
+    overridden, each store in flight for `store_delay` steps after its
+    launch (loads complete in their step)."""
+    overrides.setdefault("num_gpu_blocks", 32)
+    overrides.setdefault("num_cpu_blocks", 32)
+    return Engine(
+        HarnessConfig(
+            transfer_delay=lambda is_store: store_delay if is_store else 0,
+            **overrides,
+        )
+    )
+
+
+def step_as_engine_core(e: Engine, max_steps: int = 1_000) -> int:
+    """Step only while the scheduler says it has requests (or a step of the
+    batch queue is still out), as EngineCore's busy loop does before it
+    blocks on its input queue. Returns the steps taken; raises where the
+    engine is still stepping after `max_steps`."""
+    for steps in range(max_steps):
+        if not (e.scheduler.has_requests() or e.in_flight):
+            return steps
+        e.step()
+    raise AssertionError(f"still stepping after {max_steps} steps")
+
+
+def held_gpu_blocks(e: Engine) -> int:
+    """GPU blocks not in the free queue (the null block aside): held by a
+    request or by a transfer in flight."""
+    return e.cfg.num_gpu_blocks - 1 - e.block_pool.get_num_free_blocks()
