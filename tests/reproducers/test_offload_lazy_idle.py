@@ -3,28 +3,39 @@ offload-lazy-idle-store-loop).
 
 From 0.30.0 SimpleCPUOffload answers `has_pending_push_work()` while a store
 is in flight, in lazy mode as in eager, and EngineCore keeps an engine with
-no request stepping until its stores complete. Lazy mode's scan stores free,
-cached GPU blocks from the free queue's head in every step, one that
-schedules nothing too: each store kept the idle engine stepping for another
-scan. With a CPU tier smaller than what the GPU prefix cache holds, each
-store evicted the CPU copies of blocks the next scan stored again, and the
-engine never went idle: pause, sleep and the weight update's reset that wait
-for it never came. With the fix a lazy scan starts no store once every
-request the scheduler admitted has finished, and the engine goes idle when
-the stores of its last busy step complete, holding nothing.
+nothing to run (no request, a pause that keeps its requests, a streaming
+session waiting for input) stepping until its stores complete. Lazy mode's
+scan stores free, cached GPU blocks from the free queue's head in every
+step, one that schedules nothing too: each store kept the engine stepping
+for another scan. With a CPU tier smaller than what the GPU prefix cache
+holds, each store evicted the CPU copies of blocks the next scan stored
+again, and the engine never went idle: pause, sleep and the weight update's
+reset that wait for it never came. With the fix a lazy scan starts no store
+in a step that schedules no token and has no load while a store is in
+flight, and the engine goes idle when the stores of its last busy step
+complete, holding nothing.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 
-from harness.engine import Engine
+from harness.engine import Engine, HarnessConfig
 from harness.engine_core import held_gpu_blocks, offload_engine, step_as_engine_core
 
 
 def lazy_engine(
-    num_gpu_blocks: int, num_cpu_blocks: int, store_delay: int, prompts: int
+    num_gpu_blocks: int,
+    num_cpu_blocks: int,
+    store_delay: int,
+    prompts: int,
+    streaming: bool = False,
 ) -> Engine:
+    """`prompts` 40-token prompts with two output tokens each; with
+    `streaming`, the last one is a streaming session that then waits for
+    its next input."""
     e = offload_engine(
         store_delay,
         lazy=True,
@@ -33,7 +44,12 @@ def lazy_engine(
         max_num_batched_tokens=32,
     )
     for i in range(prompts):
-        e.add_request(list(range(100 + 40 * i, 140 + 40 * i)), max_tokens=2)
+        e.add_request(
+            list(range(100 + 40 * i, 140 + 40 * i)),
+            max_tokens=2,
+            req_id=f"r{i}",
+            resumable=streaming and i == prompts - 1,
+        )
     return e
 
 
@@ -47,11 +63,11 @@ def test_an_idle_lazy_engine_stops_storing():
     assert e.scheduler.reset_prefix_cache()
 
 
-@pytest.mark.parametrize("prompts", [1, 3])
+@pytest.mark.parametrize("prompts", [1, 3, 4])
 @pytest.mark.parametrize("store_delay", [0, 1, 2])
 @pytest.mark.parametrize(
     ("num_gpu_blocks", "num_cpu_blocks"),
-    [(8, 2), (8, 4), (12, 4), (16, 6), (24, 4), (24, 10), (32, 64)],
+    [(8, 2), (8, 4), (12, 4), (16, 4), (24, 10), (32, 64)],
 )
 def test_a_lazy_engine_goes_idle_holding_nothing(
     num_gpu_blocks: int, num_cpu_blocks: int, store_delay: int, prompts: int
@@ -65,36 +81,121 @@ def test_a_lazy_engine_goes_idle_holding_nothing(
     assert held_gpu_blocks(e) == 0
 
 
+@pytest.mark.parametrize("store_delay", [1, 2])
+@pytest.mark.parametrize(("num_gpu_blocks", "num_cpu_blocks"), [(12, 4), (16, 4)])
+def test_a_streaming_session_waiting_for_input_lets_the_engine_idle(
+    num_gpu_blocks: int, num_cpu_blocks: int, store_delay: int
+):
+    """A session waiting for its next input is not counted as unfinished
+    by the scheduler: the engine steps only for the connector's stores."""
+    e = lazy_engine(num_gpu_blocks, num_cpu_blocks, store_delay, 4, streaming=True)
+    step_as_engine_core(e, max_steps=300)
+    assert list(e.scheduler.requests) == ["r3"], "the session waits for input"
+    assert not e.offload.has_pending_stores()
+
+
+@pytest.mark.parametrize("store_delay", [1, 2])
+@pytest.mark.parametrize(("num_gpu_blocks", "num_cpu_blocks"), [(8, 4), (12, 4)])
+def test_a_pause_that_keeps_its_requests_completes(
+    num_gpu_blocks: int, num_cpu_blocks: int, store_delay: int
+):
+    """pause_generation(mode="keep") waits for an engine with no work: the
+    paused scheduler schedules nothing and reports no unfinished request,
+    so it steps only for the connector's stores."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    e = lazy_engine(num_gpu_blocks, num_cpu_blocks, store_delay, 3)
+    e.add_request(list(range(500, 508)), max_tokens=1000, req_id="long")
+    for _ in range(12):
+        e.step()
+    e.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    step_as_engine_core(e, max_steps=300)
+    assert "long" in e.scheduler.requests, "the paused request is kept"
+    assert not e.offload.has_pending_stores()
+
+
+class StepRecord(NamedTuple):
+    scheduled: bool  # the step scheduled a token
+    loading: bool  # a load was started or in flight
+    storing: bool  # a store was queued or in flight
+    scanned: bool
+
+
+def record_scans(e: Engine) -> list[StepRecord]:
+    """What each step's store planning saw, and whether it scanned."""
+    manager = e.offload
+    prepare, scan = manager.prepare_store_specs, manager._prepare_lazy_store_specs
+    steps: list[StepRecord] = []
+
+    def counted_scan():
+        steps[-1] = steps[-1]._replace(scanned=True)
+        return scan()
+
+    def recorded_prepare(scheduler_output):
+        steps.append(
+            StepRecord(
+                scheduler_output.total_num_scheduled_tokens > 0,
+                bool(manager._reqs_to_load),
+                manager.has_pending_stores(),
+                False,
+            )
+        )
+        return prepare(scheduler_output)
+
+    manager.prepare_store_specs = recorded_prepare
+    manager._prepare_lazy_store_specs = counted_scan
+    return steps
+
+
+def left_out_wrongly(steps: list[StepRecord]) -> list[tuple[int, StepRecord]]:
+    """Steps whose scan was left out, or not, against the rule: only a step
+    that schedules no token and has no load while a store is in flight
+    starts no lazy store."""
+    return [
+        (n, s)
+        for n, s in enumerate(steps)
+        if s.scanned != (s.scheduled or s.loading or not s.storing)
+    ]
+
+
 @pytest.mark.parametrize("store_delay", [0, 1, 2])
 @pytest.mark.parametrize(("num_gpu_blocks", "num_cpu_blocks"), [(8, 4), (24, 10)])
 def test_a_lazy_scan_is_left_out_only_in_a_step_taken_for_stores(
     num_gpu_blocks: int, num_cpu_blocks: int, store_delay: int
 ):
-    """Every step scans as the release's does, but one in which no request
-    the scheduler admitted is left unfinished and a store is in flight: a
-    step with a request running or loading, and one with nothing in flight
-    (the step that reports the last finished request, say), still scan."""
-    from vllm.v1.request import RequestStatus
-
+    """A step that runs a request, and one with nothing in flight (the
+    step that reports the last finished request, say), scan as the
+    release's do; with stores completing in a later step the rule acts."""
     e = lazy_engine(num_gpu_blocks, num_cpu_blocks, store_delay, prompts=3)
-    manager = e.offload
-    prepare, scan = manager.prepare_store_specs, manager._prepare_lazy_store_specs
-    steps: list[tuple[bool, bool]] = []  # (the release would scan, scanned)
-
-    def counted_scan():
-        steps[-1] = (steps[-1][0], True)
-        return scan()
-
-    def recorded_prepare(scheduler_output):
-        admitted = any(
-            r.status != RequestStatus.WAITING for r in e.scheduler.requests.values()
-        )
-        steps.append((admitted or not manager.has_pending_stores(), False))
-        return prepare(scheduler_output)
-
-    manager.prepare_store_specs = recorded_prepare
-    manager._prepare_lazy_store_specs = counted_scan
+    steps = record_scans(e)
     step_as_engine_core(e, max_steps=300)
-    assert steps and all(scanned == want for want, scanned in steps), steps
-    assert any(not want for want, _ in steps) == (store_delay > 0)
-    assert manager.cpu_block_pool.cached_block_hash_to_block, "nothing stored"
+    assert steps and not left_out_wrongly(steps)
+    if store_delay > 0:
+        assert any(not s.scanned for s in steps), "the rule never acted"
+    assert e.offload.cpu_block_pool.cached_block_hash_to_block, "nothing stored"
+
+
+def test_a_step_that_waits_for_a_load_scans():
+    """A request sent again after the GPU evicted its prompt loads it from
+    the CPU tier (two steps a load): the steps that admit and wait for the
+    load schedule no token, and scan as the release's do although a store
+    is in flight."""
+    e = Engine(
+        HarnessConfig(
+            lazy=True,
+            num_gpu_blocks=8,
+            num_cpu_blocks=16,
+            max_num_batched_tokens=32,
+            transfer_delay=lambda is_store: 2,
+        )
+    )
+    steps = record_scans(e)
+    for i in range(6):
+        e.add_request(list(range(100 + 40 * i, 140 + 40 * i)), max_tokens=2)
+    step_as_engine_core(e, max_steps=300)
+    e.add_request(list(range(100, 140)), max_tokens=2)
+    step_as_engine_core(e, max_steps=300)
+    assert not left_out_wrongly(steps)
+    assert any(s.loading and s.storing and not s.scheduled for s in steps), (
+        "no step waited for a load with a store in flight"
+    )
