@@ -60,6 +60,14 @@ EFFECTS = [
         "flight): stores complete, and free their blocks, at other steps",
     ),
     Effect(
+        "an-idle-lazy-engine-starts",
+        AFTER_TRANSFERS | {"stores", "loads", "ended"},
+        "lazy-stores",
+        "lazy offload: a step that schedules no token and has no load while a "
+        "store is in flight starts no store; the next step's scan stores "
+        "other blocks, after its own allocation",
+    ),
+    Effect(
         "touch-every-group-s-prefix-hits",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted"},
         "hybrid-loads",
@@ -155,6 +163,8 @@ def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int
     seen = [*base[: i + 1], *series[: i + 1]]
     if name == "stores":
         return any(r["stores"] for r in seen)
+    if name == "lazy-stores":
+        return trace["lazy"] and any(r["stores"] for r in seen)
     loads = any(r["loads"] or r["remote_waiting"] for r in seen)
     if name == "loads":
         return loads

@@ -111,6 +111,17 @@ def test_a_series_that_steps_on_after_the_base_ended():
     assert v.kind == "FAILED"
 
 
+def test_an_idle_lazy_step_that_stores_nothing_is_r11s_in_lazy_mode_only():
+    # R11: a lazy step that schedules nothing while a store is in flight
+    # starts no store, so the stores (and what follows them) differ.
+    base = rec(step(stores=2), step(sched=[], running=0, stores=1))
+    series = rec(step(stores=2), step(sched=[], running=0))
+    r11 = [e for e in differential.EFFECTS if "an-idle-lazy-engine" in e.patch]
+    v = compare(0, LAZY, base, series, r11)
+    assert v.kind == "explained" and "an-idle-lazy-engine" in v.detail
+    assert compare(0, EAGER, base, series, r11).kind == "FAILED"
+
+
 def rec_done(*steps, completed=(), stalled=False, crash=None):
     return {
         **rec(*steps, crash=crash),
