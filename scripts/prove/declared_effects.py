@@ -60,7 +60,7 @@ EFFECTS = [
         "flight): stores complete, and free their blocks, at other steps",
     ),
     Effect(
-        "an-idle-lazy-engine-starts",
+        "an-idle-lazy-engine",
         AFTER_TRANSFERS | {"stores", "loads", "ended"},
         "lazy-stores",
         "lazy offload: a step that schedules no token and has no load while a "

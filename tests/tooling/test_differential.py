@@ -258,3 +258,16 @@ def test_the_newest_bare_results_of_one_run_serve_the_next(monkeypatch, tmp_path
     (kept / "mixed-0-1.json").unlink()
     run(other, range(2), newest_cache=kept)
     assert FakeWorker.started == ["series", "base", "newest"]
+
+
+def test_every_effect_names_a_patch_file_of_some_series():
+    """An effect applies where its fragment is part of a patch's file name,
+    which git format-patch cuts to 52 characters of the subject: a fragment
+    past the cut would never apply (R11's first did not)."""
+    from lib.paths import ROOT
+
+    names = [p.name for p in (ROOT / "patches").rglob("*.patch")]
+    dead = [
+        e.patch for e in differential.EFFECTS if not any(e.patch in n for n in names)
+    ]
+    assert not dead, f"effects that match no patch file: {dead}"
