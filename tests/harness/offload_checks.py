@@ -17,8 +17,9 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from harness.engine import ContentOracle, Engine
+from harness.engine import Engine
 from harness.invariants import assert_pool_ok
+from harness.runner import ContentOracle
 
 
 def new_request(

@@ -45,7 +45,8 @@ from typing import Any
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 
-from harness.engine import Engine, FakeModelRunner, HarnessConfig, sampled_token
+from harness.engine import Engine, HarnessConfig
+from harness.runner import FakeModelRunner, sampled_token
 
 BLOCK = 16
 PREFIX = 4 * BLOCK  # the part of a prompt that other requests or the CPU hold

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engine import FakeModelRunner
+from harness.runner import FakeModelRunner
 from harness.scale import ROWS, Bench, CpuLimit
 
 

@@ -4,7 +4,7 @@
 It runs the harness's worker side inside the real engine: the fake model
 runner (content tags, one sampled token per finished step) and the
 release's real SimpleCPUOffloadWorker copying on the fake CUDA, driven in
-the model runner's order (harness.engine.worker_step). Everything above it
+the model runner's order (harness.runner.worker_step). Everything above it
 is the real server: the OpenAI API server, EngineCore, the Scheduler, the
 KV cache manager and the connector's scheduler side.
 
@@ -37,17 +37,9 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from harness.engine import (
-    DTYPE,
-    HEAD_SIZE,
-    NUM_KV_HEADS,
-    FakeKV,
-    FakeModelRunner,
-    HarnessConfig,
-    make_offload_worker,
-    worker_step,
-)
+from harness.config import DTYPE, HEAD_SIZE, NUM_KV_HEADS, HarnessConfig
 from harness.fake_cuda import FakeCuda
+from harness.runner import FakeKV, FakeModelRunner, make_offload_worker, worker_step
 
 logger = logging.getLogger(__name__)
 HYBRID = os.environ.get("VLLM_FORK_E2E_HYBRID") == "1"

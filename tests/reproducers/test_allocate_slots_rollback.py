@@ -28,7 +28,8 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from harness.engine import Engine, HarnessConfig, unsupported_layout
+from harness.config import unsupported_layout
+from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok, manager_snapshot
 from harness.kv_manager import computed_blocks, make_layout_manager
 from harness.logs import warnings_of

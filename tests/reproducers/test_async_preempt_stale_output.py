@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engine import Engine, HarnessConfig, sampled_token
+from harness.engine import Engine, HarnessConfig
+from harness.runner import sampled_token
 
 PROMPT_LEN = 48
 MAX_TOKENS = 40

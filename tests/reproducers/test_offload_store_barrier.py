@@ -23,12 +23,8 @@ import time
 import pytest
 import torch
 
-from harness.engine import (
-    Engine,
-    HarnessConfig,
-    make_kv_cache_config,
-    make_vllm_config,
-)
+from harness.config import make_kv_cache_config, make_vllm_config
+from harness.engine import Engine, HarnessConfig
 from harness.offload_checks import lost_or_wrong_cpu_blocks, unordered_transfers
 
 BS = 16

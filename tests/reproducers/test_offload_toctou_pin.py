@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engine import ContentOracle, Engine, HarnessConfig
+from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok
 from harness.kv_manager import computed_blocks
 from harness.offload_checks import cpu_block_of, new_request
+from harness.runner import ContentOracle
 
 BS = 16
 PROMPT_A = list(range(100, 133))  # two full blocks and one token

@@ -27,7 +27,8 @@ it is queued again.
 
 from __future__ import annotations
 
-from harness.engine import Engine, HarnessConfig, sampled_token
+from harness.engine import Engine, HarnessConfig
+from harness.runner import sampled_token
 
 PROMPT = list(range(300, 314))
 CHUNK = list(range(500, 510))

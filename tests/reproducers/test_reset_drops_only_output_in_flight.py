@@ -25,7 +25,8 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
-from harness.engine import Engine, HarnessConfig, sampled_token
+from harness.engine import Engine, HarnessConfig
+from harness.runner import sampled_token
 
 PROMPT = list(range(100, 148))
 LONG_PROMPT = list(range(1000, 1000 + 200))
