@@ -46,9 +46,7 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scripts/
@@ -70,6 +68,12 @@ from prove.mutate_operators import (
     load_claims,
     run_operator_mutants,
 )
+from prove.mutate_report import Hunk, Outcome, report
+from prove.mutate_semantic import (
+    SemanticMutant,
+    mutated_text,
+    semantic_of,
+)
 
 OUT = WORK / "mutate"
 REPRODUCERS = ROOT / "tests" / "reproducers"
@@ -81,127 +85,7 @@ MUTANT_TESTS = ROOT / "tests" / "reproducers" / "test_semantic_mutants.py"
 # the hunk adds or removes (exactly, indentation included), with the reason.
 EQUIVALENT = load_claims(DATA / "equivalent_hunks.toml", ("patch", "line"))
 # The hand-written mutants (make mutate --kinds semantic).
-SEMANTIC = DATA / "semantic_mutants.toml"
 KINDS = ("hunks", "operators", "semantic")
-
-
-@dataclass
-class Hunk:
-    patch: str  # the patch's subject
-    file: str
-    header: str  # the hunk's @@ line
-    text: str  # a patch holding just this hunk
-
-    @property
-    def name(self) -> str:
-        return f"{self.file} {self.header.split('@@')[1].strip()}"
-
-
-@dataclass
-class Outcome:
-    hunk: Hunk
-    state: str  # killed, survived, equivalent, not separable
-    detail: str = ""
-
-
-@dataclass
-class Edit:
-    find: str  # exact text of the patched file, found there exactly once
-    replace: str
-
-
-@dataclass
-class SemanticMutant:
-    """A bug written by hand (scripts/data/semantic_mutants.toml)."""
-
-    id: str
-    release: str  # the series it applies to, by its base release
-    patch: str  # a fragment of the subject of the patch it breaks
-    file: str
-    edits: list[Edit]  # find/replace, then each `also`, in one file
-    why: str  # the plausible bug it stands for
-    equivalent: str = ""  # why it cannot change behaviour, if it cannot
-    state: str = ""  # killed, survived, equivalent
-    detail: str = ""
-
-
-SEMANTIC_FIELDS = {"id", "release", "patch", "file", "find", "replace", "why"}
-SEMANTIC_OPTIONAL = {"also", "equivalent"}
-
-
-def load_semantic(path: Path = SEMANTIC) -> list[SemanticMutant]:
-    """The mutants of `path`, in its order; a malformed one is an error
-    naming it (a typo must not drop a mutant from the count unseen)."""
-    out: list[SemanticMutant] = []
-    for n, m in enumerate(tomllib.loads(path.read_text()).get("mutant", []), 1):
-        name = f"{rel(path)}: mutant {n} ({m.get('id', 'no id')})"
-        keys = set(m)
-        if not SEMANTIC_FIELDS <= keys <= SEMANTIC_FIELDS | SEMANTIC_OPTIONAL:
-            raise ForkError(
-                f"{name}: has {', '.join(sorted(keys))}; needs "
-                f"{', '.join(sorted(SEMANTIC_FIELDS))} (and may have also, "
-                "equivalent)"
-            )
-        also = m.get("also", [])
-        if not all(sorted(a) == ["find", "replace"] for a in also):
-            raise ForkError(f"{name}: each [[mutant.also]] has find and replace")
-        edits = [Edit(e["find"], e["replace"]) for e in [m, *also]]
-        if any(not e.find or e.find == e.replace for e in edits):
-            raise ForkError(f"{name}: an edit with no text or no change")
-        if any((m2.id, m2.release) == (m["id"], m["release"]) for m2 in out):
-            raise ForkError(f"{name}: an earlier mutant of its release has the id")
-        out.append(
-            SemanticMutant(
-                m["id"],
-                m["release"],
-                m["patch"],
-                m["file"],
-                edits,
-                m["why"],
-                m.get("equivalent", ""),
-            )
-        )
-    return out
-
-
-def mutated_text(mutant: SemanticMutant, text: str) -> str:
-    """`text` (the patched file) with the mutant's edits made. Each text to
-    find must be there exactly once, or the mutant is stale: an error that
-    names it."""
-    for edit in mutant.edits:
-        count = text.count(edit.find)
-        if count != 1:
-            where = "not found" if count == 0 else f"found {count} times"
-            raise ForkError(
-                f"semantic mutant {mutant.id}: its text is {where} in "
-                f"{mutant.file} of the {mutant.release} series "
-                f"(scripts/data/semantic_mutants.toml):\n{edit.find}"
-            )
-        text = text.replace(edit.find, edit.replace)
-    return text
-
-
-def semantic_of(
-    version: str, subjects: list[str], only: list[str] | None
-) -> list[SemanticMutant]:
-    """The mutants of the series on `version` whose patch is among
-    `subjects` (and `only`). A mutant naming no patch of its series, or
-    more than one, is an error."""
-    mine = []
-    for m in load_semantic():
-        if m.release != version:
-            continue
-        matches = [s for s in subjects if m.patch in s]
-        if len(matches) != 1:
-            raise ForkError(
-                f"semantic mutant {m.id}: patch {m.patch!r} matches "
-                f"{len(matches)} patches of the {version} series, not one"
-            )
-        if only and not any(f in matches[0] for f in only):
-            continue
-        m.patch = matches[0]
-        mine.append(m)
-    return mine
 
 
 def try_semantic(
@@ -537,118 +421,6 @@ def mutate_series(
         semantic,
         report(version, outcomes, operators, semantic),
     )
-
-
-def report(
-    version: str,
-    outcomes: list[Outcome],
-    operators: list[OperatorMutant],
-    semantic: list[SemanticMutant],
-) -> list[str]:
-    def killed(states: list[str]) -> str:
-        n, m = states.count("killed"), states.count("killed") + states.count("survived")
-        return f"{n} of {m} killed ({100 * n / m:.0f}%)" if m else "none run"
-
-    return [
-        f"## vLLM {version}",
-        "",
-        f"Hunk reverts: {killed([o.state for o in outcomes])}. "
-        f"Operator mutants: {killed([m.state for m in operators])}. "
-        f"Semantic mutants: {killed([m.state for m in semantic])}.",
-        "",
-        *hunk_report(outcomes),
-        "",
-        *operator_report(operators),
-        "",
-        *semantic_report(semantic),
-    ]
-
-
-def semantic_report(semantic: list[SemanticMutant]) -> list[str]:
-    states = ("killed", "survived", "equivalent")
-    lines = [
-        "### Semantic mutants (scripts/data/semantic_mutants.toml)",
-        "",
-        "| patch | mutants | " + " | ".join(states) + " |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for patch in dict.fromkeys(m.patch for m in semantic):
-        mine = [m for m in semantic if m.patch == patch]
-        counts = " | ".join(str(sum(m.state == s for m in mine)) for s in states)
-        lines.append(f"| {patch} | {len(mine)} | {counts} |")
-    lines += ["", "| mutant | result | by | the bug |", "| --- | --- | --- | --- |"]
-    for m in semantic:
-        by = m.detail.replace("|", "\\|")
-        lines.append(f"| {m.id} | {m.state} | {by} | {m.why} |")
-    for m in semantic:
-        if m.state == "survived":
-            lines += ["", f"Survived: {m.id} ({m.file})", "```diff"]
-            for edit in m.edits:
-                lines += [f"-{x}" for x in edit.find.splitlines()]
-                lines += [f"+{x}" for x in edit.replace.splitlines()]
-            lines.append("```")
-    return lines
-
-
-def operator_report(operators: list[OperatorMutant]) -> list[str]:
-    states = ("killed", "survived", "equivalent", "incompetent")
-    lines = [
-        "### Operator mutants (Cosmic Ray)",
-        "",
-        "| patch | mutants | " + " | ".join(states) + " |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for patch in dict.fromkeys(m.patch for m in operators):
-        mine = [m for m in operators if m.patch == patch]
-        counts = " | ".join(str(sum(m.state == s for m in mine)) for s in states)
-        lines.append(f"| {patch} | {len(mine)} | {counts} |")
-    for m in operators:
-        if m.state == "survived":
-            lines += ["", f"Survived: {m.patch}, {m.name}", "```diff"]
-            body = m.diff.splitlines()
-            lines += [d for d in body if not d.startswith(("---", "+++"))]
-            lines.append("```")
-    for state in ("equivalent", "incompetent"):
-        listed = [m for m in operators if m.state == state]
-        if listed:
-            lines += ["", f"{state.capitalize()}:"]
-            lines += [f"- {m.patch}, {m.name}: {m.detail}" for m in listed]
-    return lines
-
-
-def hunk_report(outcomes: list[Outcome]) -> list[str]:
-    lines = [
-        "### Hunks reverted alone",
-        "",
-        "| patch | hunks | killed | survived | equivalent | not separable |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    patches = list(dict.fromkeys(o.hunk.patch for o in outcomes))
-    for patch in patches:
-        mine = [o for o in outcomes if o.hunk.patch == patch]
-        count = {
-            s: sum(o.state == s for o in mine)
-            for s in ("killed", "survived", "equivalent", "not separable")
-        }
-        lines.append(
-            f"| {patch} | {len(mine)} | "
-            + " | ".join(str(v) for v in count.values())
-            + " |"
-        )
-    for o in outcomes:
-        if o.state == "survived":
-            lines += [
-                "",
-                f"Survived: {o.hunk.patch}, {o.hunk.name}",
-                "```diff",
-                o.hunk.text.split("\n@@", 1)[-1].join(["@@", ""]).rstrip(),
-                "```",
-            ]
-    equivalent = [o for o in outcomes if o.state == "equivalent"]
-    if equivalent:
-        lines += ["", "Equivalent:"]
-        lines += [f"- {o.hunk.patch}, {o.hunk.name}: {o.detail}" for o in equivalent]
-    return lines
 
 
 def main() -> int:

@@ -19,10 +19,10 @@ from lib.errors import ForkError
 from lib.paths import DEFAULT_SERIES
 from lib.series import Series, find_series
 from prove import mutate
-from prove.mutate import (
+from prove.mutate import code_of
+from prove.mutate_semantic import (
     Edit,
     SemanticMutant,
-    code_of,
     load_semantic,
     mutated_text,
     semantic_of,
