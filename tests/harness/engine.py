@@ -157,6 +157,9 @@ class Engine:
         # at. A test wants the first to fail it where it happened; a trace or
         # soak worker records them instead (raise_queue_violations False).
         self.queue_violations: list[str] = []
+        # Requests a known upstream heap break left out of order
+        # (harness.queue_state.mark_downstream).
+        self.known_misplaced: set[str] = set()
         self.raise_queue_violations = True
 
     def _guard_block_counts(self) -> None:

@@ -12,9 +12,11 @@ from harness.engine import Engine, HarnessConfig
 from harness.queue_state import (
     QueueViolation,
     is_known_upstream,
+    mark_downstream,
     queue_violations,
     waiting_queues,
 )
+from harness.trace_replay import replay
 
 STREAMING = "resumable" in inspect.signature(Request.__init__).parameters
 needs_streaming = pytest.mark.skipif(
@@ -235,3 +237,33 @@ def test_a_second_stop_by_output_in_flight_queues_a_session_once():
     for _ in range(10):
         e.step()
     assert e.queue_violations == []
+
+
+def test_a_request_a_session_key_left_out_of_order_is_the_same_break():
+    """After a session's in-place key change leaves r8 under it, the heap's
+    sifts can leave r8 under another parent: the same upstream break. A
+    break of another request is still a new one."""
+    known = (
+        "known upstream, a session's key moved in the heap: skipped_waiting: "
+        "heap order broken, r8 (priority 0, arrival 2.0) under s2 (priority 0, "
+        "arrival 9.0)"
+    )
+    later = "skipped_waiting: heap order broken, r8 (priority 0, arrival 2.0) under r10"
+    other = "skipped_waiting: heap order broken, r3 (priority 0, arrival 1.0) under r10"
+    misplaced: set[str] = set()
+    assert mark_downstream([later], misplaced) == [later]
+    assert mark_downstream([known], misplaced) == [known]
+    assert misplaced == {"r8"}
+    marked = mark_downstream([later, other], misplaced)
+    assert is_known_upstream(marked[0]) and not is_known_upstream(marked[1])
+
+
+def test_soak_2718_async_mixed_2904_runs_to_the_end():
+    """`make soak ARGS="--seed 2718 --runs 6 --scale 6"` (2026-12-05; eager
+    offload, async scheduling, hybrid, priority): the release stalls, the
+    series goes on and meets upstream's session key change (r8 under the
+    session r2); two steps on the check found r8 under r10 and took it for
+    a new break. It is the same one: the trace runs to the end."""
+    record = replay(2904, "async-mixed", hash_seed=2718)
+    assert record["crash"] is None and record["violation"] is None, record
+    assert record["known_queue"] and not record["stalled"]

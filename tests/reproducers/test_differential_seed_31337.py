@@ -23,49 +23,24 @@ async-mixed 32038 (no connector, async scheduling, full attention): the
 series failed with "Invalid request status: RUNNING" where the release
 stalls, the class of async-mixed 5968 in test_waiting_requests_queued_once
 (the ledger's preempted-gets-stale-output, fixed by 0017).
+
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-from typing import Any
-
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1]
-
-
-def run(seed: int, family: str) -> dict[str, Any]:
-    """The trace's record, replayed as the differential's worker ran it:
-    with PYTHONHASHSEED at its first seed (the outcome depends on set
-    order), so in a process of its own."""
-    env = dict(os.environ, PYTHONHASHSEED="31337")
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (env.get("PYTHONPATH"), str(TESTS)) if p
-    )
-    out = subprocess.run(
-        [sys.executable, "-m", "harness.trace_worker", "--seed", str(seed)]
-        + ["--family", family],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return json.loads(out[out.index("{") :])
+from harness.trace_replay import replay
 
 
 @pytest.mark.xfail(strict=True, reason="a session behind a head that never fits")
 @pytest.mark.parametrize(("seed", "request_id"), [(31958, "r10"), (32693, "r3")])
 def test_a_session_given_its_last_chunk_is_not_left_behind(seed, request_id):
-    record = run(seed, "mixed")
+    record = replay(seed, "mixed", hash_seed=31337)
     assert record["crash"] is None, record["crash"]
     assert request_id in record["completed"], "the release completes it"
 
 
 def test_async_mixed_32038_does_not_crash():
-    record = run(32038, "async-mixed")
+    record = replay(32038, "async-mixed", hash_seed=31337)
     assert record["crash"] is None, record["crash"]
