@@ -22,6 +22,33 @@ def offload_engine(store_delay: int, **overrides) -> Engine:
     )
 
 
+def lazy_engine(
+    num_gpu_blocks: int,
+    num_cpu_blocks: int,
+    store_delay: int,
+    prompts: int,
+    streaming: bool = False,
+) -> Engine:
+    """`prompts` 40-token prompts with two output tokens each; with
+    `streaming`, the last one is a streaming session that then waits for
+    its next input."""
+    e = offload_engine(
+        store_delay,
+        lazy=True,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+        max_num_batched_tokens=32,
+    )
+    for i in range(prompts):
+        e.add_request(
+            list(range(100 + 40 * i, 140 + 40 * i)),
+            max_tokens=2,
+            req_id=f"r{i}",
+            resumable=streaming and i == prompts - 1,
+        )
+    return e
+
+
 def step_as_engine_core(e: Engine, max_steps: int = 1_000) -> int:
     """Step only while the scheduler says it has requests (or a step of the
     batch queue is still out), as EngineCore's busy loop does before it

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from harness.engine import Engine
-from harness.engine_core import held_gpu_blocks, step_as_engine_core
+from harness.engine_core import held_gpu_blocks, lazy_engine, step_as_engine_core
 from harness.engine_core import offload_engine as engine
 
 
@@ -81,15 +81,7 @@ def test_a_lazy_engine_goes_idle(
     two cases, as bare 0.33.0 does: ledger row offload-lazy-idle-store-loop).
     Lazy mode goes idle as the release does, its stores in flight then held
     until new traffic."""
-    e = engine(
-        store_delay,
-        lazy=True,
-        num_gpu_blocks=num_gpu_blocks,
-        num_cpu_blocks=num_cpu_blocks,
-        max_num_batched_tokens=32,
-    )
-    for i in range(prompts):
-        e.add_request(list(range(100 + 40 * i, 140 + 40 * i)), max_tokens=2)
+    e = lazy_engine(num_gpu_blocks, num_cpu_blocks, store_delay, prompts)
     step_as_engine_core(e, max_steps=300)
     assert not e.scheduler.requests
 

@@ -23,34 +23,7 @@ from typing import NamedTuple
 import pytest
 
 from harness.engine import Engine, HarnessConfig
-from harness.engine_core import held_gpu_blocks, offload_engine, step_as_engine_core
-
-
-def lazy_engine(
-    num_gpu_blocks: int,
-    num_cpu_blocks: int,
-    store_delay: int,
-    prompts: int,
-    streaming: bool = False,
-) -> Engine:
-    """`prompts` 40-token prompts with two output tokens each; with
-    `streaming`, the last one is a streaming session that then waits for
-    its next input."""
-    e = offload_engine(
-        store_delay,
-        lazy=True,
-        num_gpu_blocks=num_gpu_blocks,
-        num_cpu_blocks=num_cpu_blocks,
-        max_num_batched_tokens=32,
-    )
-    for i in range(prompts):
-        e.add_request(
-            list(range(100 + 40 * i, 140 + 40 * i)),
-            max_tokens=2,
-            req_id=f"r{i}",
-            resumable=streaming and i == prompts - 1,
-        )
-    return e
+from harness.engine_core import held_gpu_blocks, lazy_engine, step_as_engine_core
 
 
 def test_an_idle_lazy_engine_stops_storing():
