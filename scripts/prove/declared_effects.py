@@ -68,6 +68,14 @@ EFFECTS = [
         "other blocks, after its own allocation",
     ),
     Effect(
+        "a-lazy-engine-s-stores",
+        AFTER_TRANSFERS | {"stores", "loads", "ended"},
+        "lazy-stores",
+        "lazy offload before 0.30.0: the engine takes empty steps while a "
+        "store is in flight, and such a step starts no store: stores "
+        "complete, and free their blocks, at other steps",
+    ),
+    Effect(
         "touch-every-group-s-prefix-hits",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted"},
         "hybrid-loads",

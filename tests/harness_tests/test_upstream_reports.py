@@ -163,9 +163,10 @@ def test_a_lazy_engine_kept_stepping_for_its_stores():
     has_pending_push_work, in lazy mode as in eager), and the CPU tier is
     smaller than what the GPU prefix cache holds, each empty step's scan
     starts a store of blocks whose CPU copies the last store evicted: the
-    engine never goes idle. The fork's keep-alive (0023) answers in eager
-    mode only, the releases before 0.30.0 have none, and the series of
-    0.30.0-0.33.0 start no lazy store in a step taken for stores alone
+    engine never goes idle. The releases before 0.30.0 have no keep-alive,
+    the fork's (0023) answers in eager mode only, and where it answers in
+    lazy mode too (0024 on 0.19.0-0.29.0, R11 on 0.30.0-0.33.0) no lazy
+    store starts in a step taken for stores alone
     (_stepping_only_for_stores): those go idle. Which outcome is pinned
     follows the code."""
     from vllm.distributed.kv_transfer.kv_connector.v1 import (

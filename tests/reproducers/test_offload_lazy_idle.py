@@ -1,5 +1,6 @@
-"""Reproducer for an idle lazy engine that never stops storing (ledger row
-offload-lazy-idle-store-loop).
+"""Reproducers for an idle lazy engine that never stops storing (ledger row
+offload-lazy-idle-store-loop, 0.30.0-0.33.0) and for one that idles with
+its stores' blocks held (offload-lazy-idle-store-holds-blocks, 0.19.0-0.29.0).
 
 From 0.30.0 SimpleCPUOffload answers `has_pending_push_work()` while a store
 is in flight, in lazy mode as in eager, and EngineCore keeps an engine with
@@ -14,6 +15,12 @@ reset that wait for it never came. With the fix a lazy scan starts no store
 in a step that schedules no token and has no load while a store is in
 flight, and the engine goes idle when the stores of its last busy step
 complete, holding nothing.
+
+Before 0.30.0 nothing keeps a lazy engine stepping (the fork's keep-alive,
+0023, answers in eager mode only): it goes idle with the stores of its last
+steps in flight and their GPU blocks held until new traffic, so the reset
+after a weight update fails. 0024 keeps it stepping there, with the same
+rule for its scans.
 """
 
 from __future__ import annotations
