@@ -61,6 +61,43 @@ def test_a_lazy_engine_goes_idle_holding_nothing(
     assert held_gpu_blocks(e) == 0
 
 
+def missed_by_the_next_scan(e: Engine) -> list[int]:
+    """Free, hashed GPU blocks without a CPU copy that lie before the lazy
+    scan's cursor in the free queue: the next scan starts after the cursor
+    and passes them. A cursor on a block taken out of the queue is stale,
+    and the scan then starts from the head."""
+    manager = e.offload
+    cursor = manager._cursor
+    if cursor is None or cursor.ref_cnt > 0:
+        return []
+    cpu_hashes = manager.cpu_block_pool.cached_block_hash_to_block
+    missed = []
+    node = e.block_pool.free_block_queue.fake_free_list_head.next_free_block
+    while node is not None and node is not cursor:
+        bhash = node.block_hash
+        if bhash is not None and cpu_hashes.get_one_block(bhash) is None:
+            missed.append(node.block_id)
+        node = node.next_free_block
+    return missed
+
+
+@pytest.mark.parametrize("prompts", [3, 4])
+@pytest.mark.parametrize("store_delay", [1, 2])
+@pytest.mark.parametrize("num_gpu_blocks", [24, 32])
+def test_the_next_scan_reaches_every_block_the_cpu_lacks(
+    num_gpu_blocks: int, store_delay: int, prompts: int
+):
+    """With a CPU tier larger than the GPU pool nothing is evicted from it,
+    so a block the scans visited keeps its CPU copy: an engine gone idle
+    leaves its cursor where the next scan reaches every block still
+    missing. A step that skips the scan drops a cursor on a block a store
+    holds, as the scan does; left there, the cursor sat at the free queue's
+    tail once that store completed."""
+    e = lazy_engine(num_gpu_blocks, 64, store_delay, prompts)
+    step_as_engine_core(e, max_steps=300)
+    assert not missed_by_the_next_scan(e)
+
+
 @pytest.mark.parametrize("store_delay", [1, 2])
 @pytest.mark.parametrize(("num_gpu_blocks", "num_cpu_blocks"), [(12, 4), (16, 4)])
 def test_a_streaming_session_waiting_for_input_lets_the_engine_idle(
