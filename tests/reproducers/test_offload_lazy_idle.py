@@ -98,6 +98,22 @@ def test_the_next_scan_reaches_every_block_the_cpu_lacks(
     assert not missed_by_the_next_scan(e)
 
 
+def test_a_skipped_scan_keeps_a_cursor_on_a_free_block():
+    """Only a cursor a store holds is dropped: one on a block in the free
+    queue stays where the next scan goes on from, as the release's scan in
+    that step would have gone on from it."""
+    e = lazy_engine(24, 10, store_delay=2, prompts=3)
+    for _ in range(300):
+        if not e.scheduler.requests and e.offload.has_pending_stores():
+            break
+        assert e.scheduler.has_requests(), "no step was taken for a store alone"
+        e.step()
+    free = e.block_pool.free_block_queue.fake_free_list_head.next_free_block
+    e.offload._cursor = free
+    e.step()
+    assert e.offload._cursor is free
+
+
 @pytest.mark.parametrize("store_delay", [1, 2])
 @pytest.mark.parametrize(("num_gpu_blocks", "num_cpu_blocks"), [(12, 4), (16, 4)])
 def test_a_streaming_session_waiting_for_input_lets_the_engine_idle(
