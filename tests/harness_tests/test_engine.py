@@ -17,13 +17,28 @@ PROMPT_A = list(range(100, 700))
 PROMPT_B = list(range(5000, 5600))
 
 
+def run_until_stored(e: Engine) -> None:
+    """Run, then take empty steps until one starts no store. Engine.run()
+    stops once every transfer completed. In lazy mode a step taken only
+    for a store in flight starts no other (0024 and R11: an idle engine
+    kept stepping for its stores must stop), so the blocks the release's
+    scans would store in those steps are stored here by the empty steps
+    after them, as a busy engine's next steps would."""
+    e.run()
+    while e.offload is not None and e.offload._lazy_mode:
+        e.step()
+        if not e.offload.has_pending_stores():
+            return
+        e.run()
+
+
 def run_three(cfg: HarnessConfig, corrupt_cpu: bool = False) -> Engine:
     """A, then B (evicting A from the GPU), then A extended (hits A on CPU)."""
     e = Engine(cfg)
     e.add_request(PROMPT_A, max_tokens=4)
-    e.run()
+    run_until_stored(e)
     e.add_request(PROMPT_B, max_tokens=4)
-    e.run()
+    run_until_stored(e)
     if corrupt_cpu:
         for block_id in e.kv.cpu:
             e.kv.cpu[block_id] = ("garbage", block_id)
