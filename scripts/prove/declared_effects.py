@@ -137,6 +137,16 @@ EFFECTS = [
         "where the release left it in no queue",
     ),
     Effect(
+        # R1 (0.19.0-0.19.1; upstream from 0.20.0): the admission gate counts
+        # a sliding-window group by the blocks it holds at once.
+        "admit-a-request-by-the-sliding-window",
+        AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
+        "hybrid",
+        "a hybrid's admission counts a sliding-window group by the blocks it "
+        "holds at once, not by the whole prompt: a request the release "
+        "refused for blocks is admitted",
+    ),
+    Effect(
         "admit-an-async-KV-load",
         AFTER_TRANSFERS | {"loads", "remote_waiting", "preempted", "ended"},
         "loads",
@@ -160,6 +170,8 @@ def condition(name: str, trace: dict[str, Any], base: list, series: list, i: int
         # the trace step: a reset's run to idle adds records).
         first = trace.get("first_chunk_step")
         return first is not None and i >= first
+    if name == "hybrid":
+        return trace["hybrid"]
     if not trace["offload"]:
         return False
     if name == "overlapped-window":
