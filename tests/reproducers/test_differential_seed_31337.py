@@ -23,7 +23,6 @@ async-mixed 32038 (no connector, async scheduling, full attention): the
 series failed with "Invalid request status: RUNNING" where the release
 stalls, the class of async-mixed 5968 in test_waiting_requests_queued_once
 (the ledger's preempted-gets-stale-output, fixed by 0017).
-
 """
 
 from __future__ import annotations
