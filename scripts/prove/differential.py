@@ -59,6 +59,7 @@ if __name__ == "__main__":  # python3 scripts/<job>/<name>.py: import from scrip
 
 from keep.apply import apply_series, checkout_base
 from lib.cli import main_guard, parser
+from lib.errors import ForkError
 from lib.paths import DEFAULT_SERIES, ROOT, WORK, rel
 from lib.series import Series, find_series, version_key
 from lib.venv import release_venv, series_venv
@@ -66,6 +67,11 @@ from prove.declared_effects import EFFECTS, Effect, condition
 from prove.worker_client import Worker
 
 OUT = WORK / "differential"
+PROVING = ROOT / "docs" / "proving.md"
+LIVENESS_BEGIN = (
+    '<!-- liveness table: make differential ARGS="--all --docs" writes this -->'
+)
+LIVENESS_END = "<!-- end of liveness table -->"
 # Trace families (tests/harness/traces.py): general traces, the CPU offload
 # connector's liveness scenarios, and both under async scheduling.
 FAMILIES = ("mixed", "offload", "async-mixed", "async-offload")
@@ -87,10 +93,19 @@ class Verdict:
 def progress_lost(base: dict[str, Any], series: dict[str, Any]) -> str:
     """What the base completed and the series did not, as a reason to fail
     ("" when the series made at least the base's progress). A base that
-    crashed or broke an invariant promises nothing."""
+    crashed or broke an invariant promises nothing.
+
+    Where both trees stall, which requests the stall catches depends on
+    the schedule that led to it, which a declared effect may change: the
+    series must then complete as many requests as the base, not the same
+    ones (a series that stalls where the base drains, or that completes
+    fewer, still fails)."""
     if base["crash"] or base["violation"]:
         return ""
-    lost = sorted(set(base.get("completed", ())) - set(series.get("completed", ())))
+    done, series_done = set(base.get("completed", ())), set(series.get("completed", ()))
+    lost = sorted(done - series_done)
+    if base.get("stalled") and series.get("stalled") and len(series_done) >= len(done):
+        return ""
     if not lost and not (series.get("stalled") and not base.get("stalled")):
         return ""
     return (
@@ -374,6 +389,28 @@ def summary(verdicts: list[Verdict]) -> str:
     )
 
 
+def write_liveness_docs(
+    table: list[str], seeds: int, families: tuple[str, ...], page: Path | None = None
+) -> None:
+    """Put `table` between the liveness markers of docs/proving.md, with
+    the run that made it: by hand, a paste there once took rows of another
+    table."""
+    page = page or PROVING
+    text = page.read_text()
+    start, end = text.find(LIVENESS_BEGIN), text.find(LIVENESS_END)
+    if start < 0 or end < start:
+        raise ForkError(
+            f"{rel(page)}: no liveness markers ({LIVENESS_BEGIN!r} ... "
+            f"{LIVENESS_END!r}); put them back where the table goes"
+        )
+    run = (
+        f'`make differential ARGS="--all --seeds {seeds} --docs"`, '
+        f"{time.strftime('%Y-%m-%d')}, families {', '.join(families)}"
+    )
+    block = [LIVENESS_BEGIN, "", run, "", *table, ""]
+    page.write_text(text[:start] + "\n".join(block) + text[end:])
+
+
 def newest_bare_release() -> tuple[Path, Path]:
     """(python, tree) of the newest release, unpatched: its stalls on the
     same traces are the liveness goal."""
@@ -421,6 +458,11 @@ def main() -> int:
         help="every release's series, one after the other, with one liveness "
         "table for them all (out/liveness.md)",
     )
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help=f"with --all: write the liveness table into {rel(PROVING)} too",
+    )
     args = p.parse_args()
     families = tuple(f for f in args.families.split(",") if f)
     unknown = set(families) - set(FAMILIES)
@@ -428,6 +470,8 @@ def main() -> int:
         p.error(f"unknown trace families {sorted(unknown)}: choose from {FAMILIES}")
     if args.all and args.series_tree:
         p.error("--all builds each release's series tree: drop --series-tree")
+    if args.docs and not args.all:
+        p.error("--docs writes the table of every release: add --all")
     out = args.out.resolve()
     newest = None if args.no_newest else newest_bare_release()
     every = sorted(find_series(), key=lambda s: version_key(s.base().version))
@@ -448,6 +492,9 @@ def main() -> int:
         ]
         (out / "liveness.md").write_text("\n".join(table) + "\n")
         print("\n".join(table) + f"\n\nwritten {rel(out / 'liveness.md')}")
+        if args.docs:
+            write_liveness_docs(table, args.seeds, families)
+            print(f"written into {rel(PROVING)}")
     return 1 if failed else 0
 
 

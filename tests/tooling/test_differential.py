@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from prove import differential
 from prove.differential import compare
 
@@ -160,6 +162,23 @@ def test_identical_stalls_are_the_same_and_counted():
     assert differential.summary([v]).endswith("newest bare release 0")
 
 
+def test_where_both_stall_the_series_completes_as_many_not_the_same():
+    # async-mixed 115 on the 0.24.0 series: both trees stall with 7 requests
+    # completed; the series' deadlock break took r2's blocks (the lowest
+    # priority), so r11 completed where the base completed r2.
+    base = rec_done(step(), completed=["r0", "r1", "r2"], stalled=True)
+    other = rec_done(step(), completed=["r0", "r1", "r11"], stalled=True)
+    assert differential.progress_lost(base, other) == ""
+    fewer = rec_done(step(), completed=["r0", "r11"], stalled=True)
+    assert "r1, r2 unfinished" in differential.progress_lost(base, fewer)
+    # A series that ends unstalled without r2 (out of steps) still fails,
+    # and so does one that stalls where the base drains.
+    ended = rec_done(step(), completed=["r0", "r1", "r11"])
+    assert "ends with r2 unfinished" in differential.progress_lost(base, ended)
+    drained = rec_done(step(), completed=["r0", "r1", "r2"])
+    assert "stalls with requests" in differential.progress_lost(drained, base)
+
+
 def test_a_base_that_crashed_promises_no_progress():
     base = rec_done(step(), crash="ValueError at pool", completed=[])
     series = rec_done(step(), step(), completed=["r0"])
@@ -271,3 +290,19 @@ def test_every_effect_names_a_patch_file_of_some_series():
         e.patch for e in differential.EFFECTS if not any(e.patch in n for n in names)
     ]
     assert not dead, f"effects that match no patch file: {dead}"
+
+
+def test_the_liveness_table_goes_between_its_markers_and_nowhere_else(tmp_path):
+    page = tmp_path / "proving.md"
+    before, after = "# Proving\n\nintro\n\n", "\n\nthe text after\n"
+    old = f"{differential.LIVENESS_BEGIN}\n| old |\n{differential.LIVENESS_END}"
+    page.write_text(before + old + after)
+    table = ["| release | family |", "| --- | --- |", "| 0.24.0 | mixed |"]
+    differential.write_liveness_docs(table, 200, ("mixed",), page)
+    text = page.read_text()
+    assert text.startswith(before) and text.endswith(after)
+    assert "| old |" not in text and "| 0.24.0 | mixed |" in text
+    assert "--all --seeds 200 --docs" in text
+    page.write_text(before + after)
+    with pytest.raises(differential.ForkError, match="no liveness markers"):
+        differential.write_liveness_docs(table, 200, ("mixed",), page)
