@@ -18,6 +18,7 @@ import pytest
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
+from harness.trace_replay import replay
 
 BS = 16
 PREFIX = [7000 + t for t in range(20 * BS)]
@@ -174,3 +175,18 @@ def test_holders_the_scan_does_not_reach_keep_their_arrival_order():
     e.run(max_steps=20)
     assert e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_a_session_whose_end_is_queued_goes_on_behind_a_head_that_does_not_fit():
+    # The differential oracle's async-mixed trace 115 (CPU offload eager,
+    # async scheduling, sliding-window hybrid, 44 blocks, priority): with
+    # nothing running, streaming sessions whose client had queued their end
+    # held the blocks the head needed, two of them preempted once, so the
+    # deadlock break (0010) may not free them. The 0.24.0 release and its
+    # series before the sessions' rule both stalled with 7 of 12 requests
+    # completed; bare 0.20.2 breaks a block's content on it first.
+    record = replay(115, "async-mixed", hash_seed=0)
+    assert record["crash"] is None, record["crash"]
+    assert record["violation"] is None, record["violation"]
+    assert not record["stalled"], f"stalled: {record['completed']} completed"
+    assert len(record["completed"]) == 12
