@@ -190,3 +190,39 @@ def test_a_session_whose_end_is_queued_goes_on_behind_a_head_that_does_not_fit()
     assert record["violation"] is None, record["violation"]
     assert not record["stalled"], f"stalled: {record['completed']} completed"
     assert len(record["completed"]) == 12
+
+
+def test_a_session_that_waits_for_more_input_keeps_its_place_behind_the_head():
+    # A finished load L and session S, given its next input but not its end,
+    # both hold blocks behind a head H (priority 0) that does not fit, with
+    # nothing running. L goes on; S keeps the release's order: run early it
+    # would idle again on more blocks (the rule's mixed trace 178), so it is
+    # not scheduled before H.
+    e = engine_with_prefix_on_cpu(load_delay=0)
+    session = e.add_request([100 + t for t in range(10 * BS)], 1, "S", resumable=True)
+    e.run(max_steps=20)
+    assert e.scheduler.kv_cache_manager.get_block_ids(session)[0], (
+        "S idles on its blocks"
+    )
+    low = e.add_request(PREFIX + [1] * (2 * BS), max_tokens=1, priority=1)
+    e.step()
+    assert e.scheduler.kv_cache_manager.get_block_ids(low)[0], (
+        "L should be admitted as an async load, holding its prefix's blocks"
+    )
+    # 43 usable: S holds 11, L 22; H needs 15 and fits once L has run.
+    high = e.add_request([5000 + t for t in range(15 * BS)], max_tokens=1)
+    e.add_request([300 + t for t in range(BS)], 1, session, resumable=True)
+    first: dict[str, int] = {}
+    for step in range(100):
+        if high in e.stats.finished and not e.scheduler.running:
+            break
+        for req_id in e.step().num_scheduled_tokens:
+            first.setdefault(req_id, step)
+    assert {low, high} <= e.stats.finished, f"scheduled first at {first}"
+    assert first[high] <= first.get(session, first[high]), (
+        f"S, which waits for more input, ran ahead of H: {first}"
+    )
+    e.add_request([0], 1, session)  # S's end
+    e.run(max_steps=50)
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
