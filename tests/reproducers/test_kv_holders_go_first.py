@@ -226,3 +226,30 @@ def test_a_session_that_waits_for_more_input_keeps_its_place_behind_the_head():
     e.run(max_steps=50)
     assert e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_with_a_request_running_a_finished_load_waits_behind_the_head():
+    # R (priority 0) decodes; H (priority 1) does not fit beside R and the
+    # finished load L (priority 2). R gives its blocks back as it finishes,
+    # and the release waits for it: L does not run ahead of H while
+    # anything runs (a priority inversion on every saturated step).
+    e = engine_with_prefix_on_cpu(load_delay=0)
+    running = e.add_request([300 + t for t in range(3 * BS)], max_tokens=30)
+    e.step()
+    low = e.add_request(PREFIX + [1] * (3 * BS), max_tokens=1, priority=2)
+    e.step()
+    assert e.scheduler.kv_cache_manager.get_block_ids(low)[0], (
+        "L should be admitted as an async load, holding its prefix's blocks"
+    )
+    # 43 usable: R holds 4 to 5 and L its 20 (3 more to run), 19 are free;
+    # H needs 21 and fits once R is done.
+    high = e.add_request([5000 + t for t in range(21 * BS)], 1, priority=1)
+    first: dict[str, int] = {}
+    for step in range(200):
+        if not e.busy():
+            break
+        for req_id in e.step().num_scheduled_tokens:
+            first.setdefault(req_id, step)
+    assert {running, low, high} <= e.stats.finished, f"scheduled first at {first}"
+    assert first[high] <= first[low], f"L ran ahead of H while R ran: {first}"
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
