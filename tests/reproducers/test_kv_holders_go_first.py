@@ -253,3 +253,20 @@ def test_with_a_request_running_a_finished_load_waits_behind_the_head():
     assert {running, low, high} <= e.stats.finished, f"scheduled first at {first}"
     assert first[high] <= first[low], f"L ran ahead of H while R ran: {first}"
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+@pytest.mark.parametrize(
+    ("seed", "hash_seed"), [(32693, 31337), (40, 0)], ids=["32693", "40"]
+)
+def test_a_head_and_a_preempted_session_both_short_of_blocks_drain(seed, hash_seed):
+    # The differential oracle's mixed traces 32693 (seed 31337's campaign,
+    # eager, priority, hybrid) and 40 (lazy, FCFS, 19 blocks): with nothing
+    # running, the head needs more blocks than are free and so does a
+    # session whose end is queued, preempted once, so 0010 may not free it.
+    # 0010 frees the head, which needs more than it held: the next scan
+    # goes on to the session. The release drains both; the 0.20.2 series
+    # stalled on 32693, the 0.25.0-0.27.1 series on 40.
+    record = replay(seed, "mixed", hash_seed=hash_seed)
+    assert record["crash"] is None, record["crash"]
+    assert record["violation"] is None, record["violation"]
+    assert not record["stalled"], f"stalled: {record['completed']} completed"
