@@ -24,6 +24,13 @@ BS = 16
 PREFIX = [7000 + t for t in range(20 * BS)]
 
 
+def assert_runs_to_the_end(record: dict) -> None:
+    """A replayed trace ends with no crash, no broken invariant, no stall."""
+    assert record["crash"] is None, record["crash"]
+    assert record["violation"] is None, record["violation"]
+    assert not record["stalled"], f"stalled: {record['completed']} completed"
+
+
 def engine_with_prefix_on_cpu(load_delay: int, num_gpu_blocks: int = 44) -> Engine:
     e = Engine(
         HarnessConfig(
@@ -186,9 +193,7 @@ def test_a_session_whose_end_is_queued_goes_on_behind_a_head_that_does_not_fit()
     # series before the sessions' rule both stalled with 7 of 12 requests
     # completed; bare 0.20.2 breaks a block's content on it first.
     record = replay(115, "async-mixed", hash_seed=0)
-    assert record["crash"] is None, record["crash"]
-    assert record["violation"] is None, record["violation"]
-    assert not record["stalled"], f"stalled: {record['completed']} completed"
+    assert_runs_to_the_end(record)
     assert len(record["completed"]) == 12
 
 
@@ -267,6 +272,4 @@ def test_a_head_and_a_preempted_session_both_short_of_blocks_drain(seed, hash_se
     # goes on to the session. The release drains both; the 0.20.2 series
     # stalled on 32693, the 0.25.0-0.27.1 series on 40.
     record = replay(seed, "mixed", hash_seed=hash_seed)
-    assert record["crash"] is None, record["crash"]
-    assert record["violation"] is None, record["violation"]
-    assert not record["stalled"], f"stalled: {record['completed']} completed"
+    assert_runs_to_the_end(record)
