@@ -14,6 +14,8 @@ which upstream closed for good by draining KV holders first).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from harness.engine import Engine, HarnessConfig
@@ -29,6 +31,24 @@ def assert_runs_to_the_end(record: dict) -> None:
     assert record["crash"] is None, record["crash"]
     assert record["violation"] is None, record["violation"]
     assert not record["stalled"], f"stalled: {record['completed']} completed"
+
+
+def idle(e: Engine) -> bool:
+    return not e.busy()
+
+
+def first_scheduled(
+    e: Engine, max_steps: int = 100, done: Callable[[Engine], bool] = idle
+) -> dict[str, int]:
+    """The step in which each request was first scheduled, stepping until
+    `done` (by default: until the engine has nothing left to do)."""
+    first: dict[str, int] = {}
+    for step in range(max_steps):
+        if done(e):
+            break
+        for req_id in e.step().num_scheduled_tokens:
+            first.setdefault(req_id, step)
+    return first
 
 
 def engine_with_prefix_on_cpu(load_delay: int, num_gpu_blocks: int = 44) -> Engine:
@@ -168,14 +188,9 @@ def test_holders_the_scan_does_not_reach_keep_their_arrival_order():
     # 63 usable: S holds 8 and the loads 12. S's input makes it 58 blocks,
     # which fit only once two of the loads have run and freed theirs.
     e.add_request([500 + t for t in range(808)], 1, session, resumable=True)
-    first_scheduled: dict[str, int] = {}
-    for step in range(100):
-        if not e.busy():
-            break
-        for req_id in e.step().num_scheduled_tokens:
-            first_scheduled.setdefault(req_id, step)
+    first = first_scheduled(e)
     assert set(loads) <= e.stats.finished
-    order = sorted(loads, key=lambda r: first_scheduled[r])
+    order = sorted(loads, key=lambda r: first[r])
     assert order == loads, f"loads scheduled in the order {order}, arrived {loads}"
     assert e.requests[session].num_computed_tokens == 928, "S's input did not run"
     e.add_request([0], 1, session)  # S's end
@@ -217,12 +232,9 @@ def test_a_session_that_waits_for_more_input_keeps_its_place_behind_the_head():
     # 43 usable: S holds 11, L 22; H needs 15 and fits once L has run.
     high = e.add_request([5000 + t for t in range(15 * BS)], max_tokens=1)
     e.add_request([300 + t for t in range(BS)], 1, session, resumable=True)
-    first: dict[str, int] = {}
-    for step in range(100):
-        if high in e.stats.finished and not e.scheduler.running:
-            break
-        for req_id in e.step().num_scheduled_tokens:
-            first.setdefault(req_id, step)
+    first = first_scheduled(
+        e, done=lambda eng: high in eng.stats.finished and not eng.scheduler.running
+    )
     assert {low, high} <= e.stats.finished, f"scheduled first at {first}"
     assert first[high] <= first.get(session, first[high]), (
         f"S, which waits for more input, ran ahead of H: {first}"
@@ -249,15 +261,65 @@ def test_with_a_request_running_a_finished_load_waits_behind_the_head():
     # 43 usable: R holds 4 to 5 and L its 20 (3 more to run), 19 are free;
     # H needs 21 and fits once R is done.
     high = e.add_request([5000 + t for t in range(21 * BS)], 1, priority=1)
-    first: dict[str, int] = {}
-    for step in range(200):
-        if not e.busy():
-            break
-        for req_id in e.step().num_scheduled_tokens:
-            first.setdefault(req_id, step)
+    first = first_scheduled(e, max_steps=200)
     assert {running, low, high} <= e.stats.finished, f"scheduled first at {first}"
     assert first[high] <= first[low], f"L ran ahead of H while R ran: {first}"
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_a_set_aside_session_ended_by_output_in_flight_leaves_skipped_waiting():
+    # Async scheduling: session S samples a stop token, and its next step
+    # is already in flight when the scheduler learns it. The stop applies
+    # S's queued next input and S waits again, holding its blocks, with its
+    # end queued too; nothing runs, and the head H needs more than is free.
+    # The scan goes on to S (its end is queued), which does not fit either
+    # and is set aside in skipped_waiting. Then the output of the step in
+    # flight comes in and ends S: the stop token of its new input. S is
+    # finished and must leave skipped_waiting too, not only the waiting
+    # queue the release takes it out of, or the next scan takes a finished
+    # request (the harness's queue check names it after the step). From
+    # 0.27.0 the release takes such a request out of both queues itself.
+    # Stores still in flight keep the deadlock break from freeing S first
+    # (preempted, S would wait in the waiting queue, not set aside).
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=12,
+            num_cpu_blocks=256,
+            async_scheduling=True,
+            transfer_delay=lambda is_store: 6 if is_store else 0,
+        )
+    )
+    prompt = [100 + t for t in range(3 * BS)]
+    # S stops on the token it samples at position 50; the step that samples
+    # position 51 is then in flight.
+    session = e.add_request(prompt, 20, "S", resumable=True, stop_at=len(prompt) + 2)
+    in_flight = len(prompt) + 3
+    e.step()
+    e.step()
+    # 11 usable: S holds 4, H needs 8.
+    high = e.add_request([5000 + t for t in range(8 * BS)], max_tokens=1)
+    # S's next input makes it 14 blocks, more than the pool: only the token
+    # the step in flight samples, its stop token, can end it. Then S's end.
+    chunk = [700 + t for t in range(10 * BS)]
+    e.add_request(chunk, 1, session, resumable=True, stop_at=in_flight)
+    e.add_request([0], 1, session)
+    scheduler = e.scheduler
+    update_from_output = scheduler.update_from_output
+    set_aside = []
+
+    def noting_where_s_waits(so, out):
+        # The premise: S waits set aside when the output that ends it comes.
+        request = scheduler.requests.get(session)
+        if request is not None and session in so.num_scheduled_tokens:
+            set_aside.append(request in scheduler.skipped_waiting)
+        return update_from_output(so, out)
+
+    scheduler.update_from_output = noting_where_s_waits
+    e.run(max_steps=50)
+    assert set_aside[-1:] == [True], f"S set aside at its outputs: {set_aside}"
+    assert high in e.stats.finished
+    assert_manager_ok(scheduler.kv_cache_manager, all_done=True)
 
 
 @pytest.mark.parametrize(
