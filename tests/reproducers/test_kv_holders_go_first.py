@@ -245,6 +245,70 @@ def test_a_session_that_waits_for_more_input_keeps_its_place_behind_the_head():
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
 
 
+def test_a_session_given_its_next_input_while_it_ran_keeps_its_place_behind_the_head():
+    # As above, but the client sends S's next input while S still runs: it
+    # is queued (not applied), and S's stop applies it. That queued input is
+    # not S's end, so S may wait for more input again and is no holder: it
+    # keeps its place behind H. Only a queued end makes a session a holder.
+    e = engine_with_prefix_on_cpu(load_delay=0)
+    session = e.add_request([100 + t for t in range(10 * BS)], 3, "S", resumable=True)
+    e.step()
+    low = e.add_request(PREFIX + [1] * (2 * BS), max_tokens=1, priority=1)
+    e.step()
+    assert e.scheduler.kv_cache_manager.get_block_ids(low)[0], (
+        "L should be admitted as an async load, holding its prefix's blocks"
+    )
+    high = e.add_request([5000 + t for t in range(15 * BS)], max_tokens=1)
+    running = e.scheduler.running
+    assert e.scheduler.requests[session] in running, "S should still run"
+    e.add_request([300 + t for t in range(BS)], 1, session, resumable=True)
+    while e.scheduler.requests[session] in running:
+        e.step()
+    # S now waits on its blocks with its next input applied, behind H.
+    first = first_scheduled(
+        e, done=lambda eng: high in eng.stats.finished and not eng.scheduler.running
+    )
+    assert {low, high} <= e.stats.finished, f"scheduled first at {first}"
+    assert first[high] <= first.get(session, first[high]), (
+        f"S, which may wait for more input, ran ahead of H: {first}"
+    )
+    e.add_request([0], 1, session)  # S's end
+    e.run(max_steps=50)
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+@pytest.mark.parametrize("first_input", [3 * BS, 1], ids=["3-blocks", "1-token"])
+def test_a_new_request_behind_the_head_is_no_holder(first_input):
+    # Session S (priority 1) runs its first input with its next input and
+    # its end queued; its stop applies the next input, and S waits on its
+    # blocks with its end queued: a holder. H (priority 0) needs one block
+    # more than is free, and N (priority 1), new, holds nothing. With
+    # nothing running the scan goes on to S, whose blocks H needs once S
+    # ends; N keeps its place behind H. The 1-token case: a session that
+    # computed a single token holds a block too.
+    e = Engine(
+        HarnessConfig(
+            block_size=BS, num_gpu_blocks=44, num_cpu_blocks=256, policy="priority"
+        )
+    )
+    prompt = [100 + t for t in range(first_input)]
+    session = e.add_request(prompt, 1, "S", resumable=True, priority=1)
+    e.add_request([300 + t for t in range(BS)], 1, session, resumable=True)
+    e.add_request([0], 1, session)  # S's end
+    e.step()
+    assert e.scheduler.requests[session].num_computed_tokens == first_input
+    free = e.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    high = e.add_request([5000 + t for t in range((free + 1) * BS)], max_tokens=1)
+    new = e.add_request([800 + t for t in range(BS)], max_tokens=1, priority=1)
+    first = first_scheduled(e)
+    assert {session, high, new} <= e.stats.finished, f"scheduled first at {first}"
+    assert first[session] < first[high] <= first[new], (
+        f"S (its end queued) should go on before H, and N not before H: {first}"
+    )
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
 def test_with_a_request_running_a_finished_load_waits_behind_the_head():
     # R (priority 0) decodes; H (priority 1) does not fit beside R and the
     # finished load L (priority 2). R gives its blocks back as it finishes,
