@@ -236,11 +236,19 @@ def disagreements(bugs: list[Bug], series: SeriesView) -> list[str]:
     """Where a carried row and the committed series disagree: a release it
     affects whose series lacks the patch (and whose code lacks the fix), a
     release from the first fixed one on that still carries it, or a
-    reproducer the patch's trailers do not name."""
+    reproducer the patch's trailers do not name. A release past one row's
+    upstream fix may keep the patch for another row it still affects."""
     out = []
     for bug in bugs:
         if bug.verdict != "carried":
             continue
+        kept_for = {
+            v
+            for other in bugs
+            if other.verdict == "carried" and other.patch == bug.patch
+            for v in series.releases
+            if in_range(v, *other.affected) and not fixed_upstream(other, v)
+        }
         if bug.patch not in series.labels:
             out.append(f"{bug.id}: no series carries a patch {bug.patch!r}")
             continue
@@ -249,7 +257,7 @@ def disagreements(bugs: list[Bug], series: SeriesView) -> list[str]:
             upstream = fixed_upstream(bug, v)
             if in_range(v, *bug.affected) and not upstream and v not in have:
                 out.append(f"{bug.id}: the {v} series lacks {bug.patch!r}")
-            if upstream and v in have:
+            if upstream and v in have and v not in kept_for:
                 out.append(
                     f"{bug.id}: fixed upstream in {v}, yet its series carries it"
                 )

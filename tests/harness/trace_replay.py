@@ -30,3 +30,10 @@ def replay(seed: int, family: str, hash_seed: int) -> dict[str, Any]:
         check=True,
     ).stdout
     return json.loads(out[out.index("{") :])
+
+
+def assert_runs_to_the_end(record: dict[str, Any]) -> None:
+    """A replayed trace ends with no crash, no broken invariant, no stall."""
+    assert record["crash"] is None, record["crash"]
+    assert record["violation"] is None, record["violation"]
+    assert not record["stalled"], f"stalled: {record['completed']} completed"

@@ -197,3 +197,51 @@ def test_a_lazy_engine_kept_stepping_for_its_stores():
     else:
         step_as_engine_core(e, max_steps=300)
         assert not e.scheduler.requests, "every request finished"
+
+
+# --- ledger row session-stop-counted-twice ------------------------------------
+
+
+def test_sessions_stopped_twice_by_output_in_flight():
+    """Under async scheduling a session that stops on a stop token has its
+    next step in flight; where that step's token reaches max_tokens, its
+    output stops the session a second time, and the second stop counts it
+    again among the sessions waiting for input. Closing the session takes
+    it off the count once: each such session leaves 1 behind. Where
+    admission counts those sessions against max_num_seqs (from 0.25.0),
+    two of them leave no room for a new request, with nothing running and
+    every block free. Where the stop drops the output in flight (0.31.0 on)
+    there is no second stop. Which outcome is pinned follows the code."""
+    from vllm.v1.request import Request
+
+    if "resumable" not in inspect.signature(Request.__init__).parameters:
+        pytest.skip("no streaming input in this release")
+    e = Engine(HarnessConfig(offload=False, async_scheduling=True, max_num_seqs=2))
+    # The double stop queues the session twice before 0.31.0 (the strict
+    # xfail in test_queue_state.py); this probe is about what follows.
+    e.raise_queue_violations = False
+    for k in range(2):
+        prompt = [1000 * (k + 1) + t for t in range(20)]
+        session = e.add_request(prompt, 2, f"s{k}", resumable=True, stop_at=20)
+        e.add_request([1000 * (k + 1) + 500 + t for t in range(30)], 8)
+        for _ in range(10):
+            e.step()
+        e.add_request([0], 1, session)  # its client closes the session
+        for _ in range(20):
+            e.step()
+    new = {e.add_request([5000 + 100 * i + t for t in range(16)], 4) for i in range(4)}
+    for _ in range(60):
+        e.step()
+    scheduler = e.scheduler
+    counted = getattr(scheduler, "num_waiting_for_streaming_input", None)
+    if source_has(scheduler._handle_stopped_request, "num_stale_output_tokens"):
+        assert counted == 0
+        assert new <= e.stats.finished
+    elif source_has(scheduler.schedule, "num_waiting_for_streaming_input"):
+        assert counted == 2, "each session stopped twice leaves 1 counted"
+        assert not new & e.stats.finished and not scheduler.running, (
+            "admission should stay shut with nothing running"
+        )
+        assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() > 60
+    else:
+        assert new <= e.stats.finished

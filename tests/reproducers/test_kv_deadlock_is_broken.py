@@ -21,6 +21,7 @@ from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
+from harness.trace_replay import assert_runs_to_the_end, replay
 
 BS = 16
 
@@ -508,3 +509,19 @@ def test_the_freed_request_keeps_its_place_ahead_of_newer_requests():
     queued = [r.request_id for queue in queues for r in queue]
     assert b in queued and c in queued, queued
     assert queued.index(b) < queued.index(c), queued
+
+
+def test_a_session_given_input_while_it_ran_does_not_stall_a_tight_hybrid_pool():
+    # The differential oracle's async-mixed trace 70 (sliding-window
+    # hybrid, async scheduling, no connector, 43 usable blocks): a session
+    # is given its next input while it runs; its stop applies it and queues
+    # it at the back of the waiting queue, holding blocks (15 on bare
+    # 0.30.0, where the head needs 29 with 28 free). Nothing runs, and the
+    # scan stops at the head each step: bare 0.26.0-0.30.0 stall with 7 of
+    # 13 requests completed (from 0.31.0 the release serves requests that
+    # hold blocks first). 0010 frees the session, which may wait for more
+    # input and so is no holder 0009 goes on to; the head runs, and the
+    # session computes its tokens again.
+    record = replay(70, "async-mixed", hash_seed=0)
+    assert_runs_to_the_end(record)
+    assert len(record["completed"]) == 13

@@ -201,6 +201,13 @@ def test_a_carried_row_that_disagrees_with_the_series_is_reported(view, tmp_path
     assert ledger.disagreements([still], view) == [
         "a: fixed upstream in 0.24.0, yet its series carries it"
     ]
+    # Unless another row it carries still affects that release.
+    needed = row(
+        id="b",
+        affected='["0.19.0", "0.24.0"]',
+        extra=CARRIED.replace("Fix one", "Fix two"),
+    )
+    assert ledger.disagreements(load_text(tmp_path, two + needed), view) == []
     other = row(extra=CARRIED.replace("test_x.py::test_x", "test_y.py::test_y"))
     (named,) = load_text(tmp_path, other)
     assert ledger.disagreements([named], view) == [
