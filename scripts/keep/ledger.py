@@ -239,16 +239,18 @@ def disagreements(bugs: list[Bug], series: SeriesView) -> list[str]:
     reproducer the patch's trailers do not name. A release past one row's
     upstream fix may keep the patch for another row it still affects."""
     out = []
+    # Per patch, the releases some carried row still needs it on.
+    kept_for: dict[str, set[str]] = {}
+    for bug in bugs:
+        if bug.verdict == "carried":
+            kept_for.setdefault(bug.patch, set()).update(
+                v
+                for v in series.releases
+                if in_range(v, *bug.affected) and not fixed_upstream(bug, v)
+            )
     for bug in bugs:
         if bug.verdict != "carried":
             continue
-        kept_for = {
-            v
-            for other in bugs
-            if other.verdict == "carried" and other.patch == bug.patch
-            for v in series.releases
-            if in_range(v, *other.affected) and not fixed_upstream(other, v)
-        }
         if bug.patch not in series.labels:
             out.append(f"{bug.id}: no series carries a patch {bug.patch!r}")
             continue
@@ -257,7 +259,7 @@ def disagreements(bugs: list[Bug], series: SeriesView) -> list[str]:
             upstream = fixed_upstream(bug, v)
             if in_range(v, *bug.affected) and not upstream and v not in have:
                 out.append(f"{bug.id}: the {v} series lacks {bug.patch!r}")
-            if upstream and v in have and v not in kept_for:
+            if upstream and v in have and v not in kept_for[bug.patch]:
                 out.append(
                     f"{bug.id}: fixed upstream in {v}, yet its series carries it"
                 )
@@ -323,7 +325,8 @@ def render(bugs: list[Bug], series: SeriesView | None = None) -> str:
         "reproducers or probe on the bare releases, or, where it says *read*, "
         "by reading their sources. A carried fix is in the series of every "
         "affected release, and `make rebase` drops it from the first release "
-        "whose bare tree passes its reproducers "
+        "whose bare tree passes its reproducers, unless another row it "
+        "carries still affects that release "
         "(`tests/tooling/test_ledger.py` checks both against the committed "
         "series). `make ledger` prints where each bug stands on each release "
         "(fixed upstream, fixed by the fork, open); `make matrix` adds the same "

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
@@ -260,7 +261,11 @@ def test_a_session_given_its_next_input_while_it_ran_keeps_its_place_behind_the_
             break
         e.step()
     assert e.scheduler.requests[session] not in running, "S should have stopped"
-    # S now waits on its blocks with its next input applied, behind H.
+    # The premise: S waits on its blocks with its next input applied, and
+    # neither L nor H has run yet.
+    assert e.scheduler.requests[session].status == RequestStatus.WAITING
+    assert e.scheduler.kv_cache_manager.get_block_ids(session)[0]
+    assert not {low, high} & e.stats.finished, "the scan should stop at H first"
     first = first_scheduled(
         e, done=lambda eng: high in eng.stats.finished and not eng.scheduler.running
     )

@@ -208,6 +208,11 @@ def test_a_carried_row_that_disagrees_with_the_series_is_reported(view, tmp_path
         extra=CARRIED.replace("Fix one", "Fix two"),
     )
     assert ledger.disagreements(load_text(tmp_path, two + needed), view) == []
+    # Not by a row whose affected releases end before it.
+    ended = needed.replace('["0.19.0", "0.24.0"]', '["0.19.0", "0.20.2"]')
+    assert ledger.disagreements(load_text(tmp_path, two + ended), view) == [
+        "a: fixed upstream in 0.24.0, yet its series carries it"
+    ]
     other = row(extra=CARRIED.replace("test_x.py::test_x", "test_y.py::test_y"))
     (named,) = load_text(tmp_path, other)
     assert ledger.disagreements([named], view) == [
