@@ -206,6 +206,25 @@ def test_a_session_whose_end_is_queued_goes_on_behind_a_head_that_does_not_fit()
     assert len(record["completed"]) == 12
 
 
+def assert_the_session_waits_behind_the_head(
+    e: Engine, session: str, low: str, high: str
+) -> None:
+    """The finished load L and the head H run, and session S, which may
+    wait for more input, is not scheduled before H; then S's end drains
+    the engine with every block back."""
+    first = first_scheduled(
+        e, done=lambda eng: high in eng.stats.finished and not eng.scheduler.running
+    )
+    assert {low, high} <= e.stats.finished, f"scheduled first at {first}"
+    assert first[high] <= first.get(session, first[high]), (
+        f"S, which may wait for more input, ran ahead of H: {first}"
+    )
+    e.add_request([0], 1, session)  # S's end
+    e.run(max_steps=50)
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
 def test_a_session_that_waits_for_more_input_keeps_its_place_behind_the_head():
     # A finished load L and session S, given its next input but not its end,
     # both hold blocks behind a head H (priority 0) that does not fit, with
@@ -226,17 +245,7 @@ def test_a_session_that_waits_for_more_input_keeps_its_place_behind_the_head():
     # 43 usable: S holds 11, L 22; H needs 15 and fits once L has run.
     high = e.add_request([5000 + t for t in range(15 * BS)], max_tokens=1)
     e.add_request([300 + t for t in range(BS)], 1, session, resumable=True)
-    first = first_scheduled(
-        e, done=lambda eng: high in eng.stats.finished and not eng.scheduler.running
-    )
-    assert {low, high} <= e.stats.finished, f"scheduled first at {first}"
-    assert first[high] <= first.get(session, first[high]), (
-        f"S, which waits for more input, ran ahead of H: {first}"
-    )
-    e.add_request([0], 1, session)  # S's end
-    e.run(max_steps=50)
-    assert e.runner.violations == []
-    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+    assert_the_session_waits_behind_the_head(e, session, low, high)
 
 
 def test_a_session_given_its_next_input_while_it_ran_keeps_its_place_behind_the_head():
@@ -266,17 +275,7 @@ def test_a_session_given_its_next_input_while_it_ran_keeps_its_place_behind_the_
     assert e.scheduler.requests[session].status == RequestStatus.WAITING
     assert e.scheduler.kv_cache_manager.get_block_ids(session)[0]
     assert not {low, high} & e.stats.finished, "the scan should stop at H first"
-    first = first_scheduled(
-        e, done=lambda eng: high in eng.stats.finished and not eng.scheduler.running
-    )
-    assert {low, high} <= e.stats.finished, f"scheduled first at {first}"
-    assert first[high] <= first.get(session, first[high]), (
-        f"S, which may wait for more input, ran ahead of H: {first}"
-    )
-    e.add_request([0], 1, session)  # S's end
-    e.run(max_steps=50)
-    assert e.runner.violations == []
-    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+    assert_the_session_waits_behind_the_head(e, session, low, high)
 
 
 @pytest.mark.parametrize("first_input", [3 * BS, 1], ids=["3-blocks", "1-token"])
