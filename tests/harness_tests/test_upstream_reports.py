@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+from vllm.v1.request import Request
 
 from harness.engine import Engine, HarnessConfig
 from harness.engine_core import held_gpu_blocks, offload_engine, step_as_engine_core
@@ -212,8 +213,6 @@ def test_sessions_stopped_twice_by_output_in_flight():
     while there are some) and, from 0.25.0, adds to the running ones at
     admission. Where the stop drops the output in flight (0.31.0 on) there
     is no second stop. Which outcome is pinned follows the code."""
-    from vllm.v1.request import Request
-
     if "resumable" not in inspect.signature(Request.__init__).parameters:
         pytest.skip("no streaming input in this release")
     e = Engine(HarnessConfig(offload=False, async_scheduling=True, max_num_seqs=2))
@@ -249,7 +248,7 @@ def test_sessions_stopped_twice_by_output_in_flight():
     else:
         # Admission reads the running requests alone, but the unfinished
         # count is 2 short: EngineCore stops stepping, and blocks on its
-        # input queue, before the last of the 4 finish.
+        # input queue, while the last 2 of the 4 still run.
         assert counted == 2, "each session stopped twice leaves 1 counted"
         step_as_engine_core(e, max_steps=60)
         assert new - e.stats.finished, "the engine idles with requests left"
