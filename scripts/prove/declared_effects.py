@@ -137,6 +137,14 @@ EFFECTS = [
         "where the release left it in no queue",
     ),
     Effect(
+        "a-session-s-stop-drops-the-outp",
+        AFTER_TRANSFERS | {"loads", "stores", "remote_waiting", "preempted", "ended"},
+        "session-chunks",
+        "under async scheduling, a session's stop drops the output of its step "
+        "in flight: no token of the ended turn is appended to its next chunk, "
+        "and no second stop queues it twice or counts it twice",
+    ),
+    Effect(
         # R1 (0.19.0-0.19.1; upstream from 0.20.0): the admission gate counts
         # a sliding-window group by the blocks it holds at once.
         "admit-a-request-by-the-sliding-window",

@@ -206,39 +206,6 @@ def test_a_sessions_next_chunk_keeps_the_priority_heap_in_order():
     assert problems == []
 
 
-def stops_end_in_one_pass() -> bool:
-    """Whether the release's update_from_output queues the sessions that go
-    on only after the stopped requests have left the queues (0.33.0's
-    continuing_reqs): a structure, not a version, decides the pin below."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    return "continuing_reqs" in inspect.getsource(Scheduler.update_from_output)
-
-
-@needs_streaming
-@pytest.mark.xfail(
-    condition=STREAMING and not stops_end_in_one_pass(),
-    strict=True,
-    raises=AssertionError,
-    reason="upstream, left by 0017: under async scheduling a session stopped by "
-    "a stop token has its next step in flight; that step's output (fresh, not "
-    "stale) reaches max_tokens and stops it a second time, and the release "
-    "queues it again: twice in the waiting queues, and counted twice among the "
-    "sessions waiting for input (bare and series 0.20.2; not on 0.33.0, which "
-    "ends stopped requests in one pass)",
-)
-def test_a_second_stop_by_output_in_flight_queues_a_session_once():
-    e = Engine(HarnessConfig(offload=False, async_scheduling=True))
-    e.raise_queue_violations = False
-    # Stops on its first sampled token (position 20) while the step after it
-    # is launched; that step's token is its second, its max_tokens.
-    e.add_request(list(range(20)), 2, "s", resumable=True, stop_at=20)
-    e.add_request(list(range(100, 130)), 8, "other")
-    for _ in range(10):
-        e.step()
-    assert e.queue_violations == []
-
-
 def test_a_request_a_session_key_left_out_of_order_is_the_same_break():
     """After a session's in-place key change leaves r8 under it, the heap's
     sifts can leave r8 under another parent: the same upstream break. A

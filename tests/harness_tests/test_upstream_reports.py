@@ -233,7 +233,10 @@ def test_sessions_stopped_twice_by_output_in_flight():
     scheduler = e.scheduler
     counted = getattr(scheduler, "num_waiting_for_streaming_input", None)
     new = {e.add_request([5000 + 100 * i + t for t in range(16)], 4) for i in range(4)}
-    if source_has(scheduler._handle_stopped_request, "num_stale_output_tokens"):
+    stop = scheduler._handle_stopped_request
+    if any(source_has(stop, f"num_stale_{n}") for n in ("output_tokens", "steps")):
+        # The stop drops the output in flight (0.31.0 on; the series from
+        # 0.19.0, whose reproducers are in test_session_stops_once.py).
         assert counted == 0
         step_as_engine_core(e, max_steps=60)
         assert new <= e.stats.finished

@@ -1,0 +1,141 @@
+"""A streaming-input session stopped with a step in flight (async
+scheduling): the ledger's session-stop-counted-twice.
+
+Under async scheduling a step's output is processed after the next step is
+scheduled, so a session that stops on a stop token has a step of the turn
+that just ended in flight. Every release before 0.31.0 delivered that
+step's output to the session:
+
+- its token was appended after the stop, and after the session's next
+  chunk where the stop applied one, as the first token of the new turn;
+- where it reached max_tokens it stopped the session a second time: the
+  session was queued twice, and counted twice among the sessions waiting
+  for input, which its close takes off once. The count is subtracted from
+  the unfinished requests (EngineCore steps only while there are some)
+  and, from 0.25.0, added to the running ones at admission.
+
+The patch drops that output: the stop marks the steps in flight stale, to
+be dropped as they come back.
+"""
+
+from __future__ import annotations
+
+from harness.engine import Engine, HarnessConfig
+from harness.engine_core import step_as_engine_core
+from harness.runner import sampled_token
+
+
+def stop_a_session_twice(e: Engine, k: int) -> str:
+    """A 20-token session that stops on its first sampled token, with its
+    second step, whose token reaches max_tokens (2), in flight; a request
+    runs beside it, as traffic does. Its client then closes it."""
+    session = e.add_request(
+        [1000 * (k + 1) + t for t in range(20)], 2, f"s{k}", resumable=True, stop_at=20
+    )
+    e.add_request([1000 * (k + 1) + 500 + t for t in range(30)], 8)
+    for _ in range(10):
+        e.step()
+    e.add_request([0], 1, session)  # a request that is not resumable ends it
+    for _ in range(20):
+        e.step()
+    return session
+
+
+def test_sessions_stopped_by_output_in_flight_leave_the_engine_serving():
+    e = Engine(HarnessConfig(offload=False, async_scheduling=True, max_num_seqs=2))
+    # The release queues such a session twice (the test below): this one is
+    # about what the count does after.
+    e.raise_queue_violations = False
+    for k in range(2):
+        stop_a_session_twice(e, k)
+    assert e.scheduler.num_waiting_for_streaming_input == 0
+    new = {e.add_request([5000 + 100 * i + t for t in range(16)], 4) for i in range(4)}
+    # Bare 0.19.0-0.24.0: the engine stops stepping with 2 of the 4 running;
+    # 0.25.0-0.30.0: none is admitted, and it steps for ever.
+    step_as_engine_core(e, max_steps=60)
+    assert new <= e.stats.finished
+
+
+def test_a_second_stop_by_output_in_flight_queues_a_session_once():
+    e = Engine(HarnessConfig(offload=False, async_scheduling=True))
+    e.raise_queue_violations = False
+    e.add_request(list(range(20)), 2, "s", resumable=True, stop_at=20)
+    e.add_request(list(range(100, 130)), 8, "other")
+    for _ in range(10):
+        e.step()
+    assert e.queue_violations == []
+    assert e.scheduler.num_waiting_for_streaming_input == 1
+    # Waiting for input with no step in flight: nothing is left on the
+    # counters of the output it did not get.
+    session = e.scheduler.requests["s"]
+    assert session.num_output_placeholders == 0
+    assert session.num_computed_tokens == session.num_tokens
+
+
+def test_a_chunk_given_while_the_session_ran_starts_its_turn_with_its_own_token():
+    """The chunk is queued while the session runs, so its stop applies it;
+    the first token of the new turn is the one sampled after the chunk, not
+    the one the ended turn's step in flight sampled."""
+    e = Engine(HarnessConfig(offload=False, async_scheduling=True))
+    prompt, chunk = list(range(20)), list(range(700, 710))
+    e.add_request(prompt, 4, "s", resumable=True, stop_at=20)
+    e.add_request(list(range(100, 130)), 8, "other")
+    e.step()
+    e.add_request(chunk, 4, "s", resumable=True)
+    session = e.scheduler.requests["s"]
+    for _ in range(20):  # until the stop applies the chunk
+        if len(session.prompt_token_ids) > len(prompt):
+            break
+        e.step()
+    else:
+        raise AssertionError("the chunk was never applied")
+    # The session goes on at once, as in the release: the step in flight
+    # holds back nothing but its own output.
+    so = e.step()
+    assert so is not None and "s" in so.num_scheduled_tokens
+    for _ in range(20):
+        e.step()
+        if session.status.name == "WAITING_FOR_STREAMING_REQ":
+            break
+    else:
+        raise AssertionError(f"s never waited for input: {session.status}")
+    tokens = list(session.all_token_ids)
+    # The premise: the stop token (at 20) was computed by the step in flight
+    # at the stop, so the session kept it, as the release does.
+    assert tokens[:22] == [*prompt, sampled_token("s", 20), *chunk[:1]]
+    start = len(prompt) + 1 + len(chunk)
+    # Its max_tokens (4), each sampled at its own position, and nothing
+    # left in flight on its counters.
+    assert tokens[start:] == [sampled_token("s", start + i) for i in range(4)]
+    assert session.num_output_placeholders == 0
+    assert e.runner.violations == []
+
+
+def test_a_session_stopped_with_drafts_in_flight_computes_its_next_chunk():
+    """Drafts were scheduled with the step in flight at the stop: its
+    computed tokens ran past the session's tokens, and the dropped output
+    no longer rolls them back. The chunk must be computed from where the
+    session's own tokens end."""
+    e = Engine(HarnessConfig(offload=False, async_scheduling=True))
+    prompt, chunk = list(range(20)), list(range(700, 710))
+    e.add_request(prompt, 4, "s", resumable=True, stop_at=20)
+    e.add_request(list(range(100, 130)), 8, "other")
+    e.step()  # both prefills; s samples its stop token
+    session = e.scheduler.requests["s"]
+    session.spec_token_ids = [7, 8]
+    e.add_request(chunk, 2, "s", resumable=True)
+    so = e.step()  # s decodes with the drafts, and then stops
+    assert so is not None and so.scheduled_spec_decode_tokens.get("s") == [7, 8]
+    e.run(max_steps=100)
+    # (The fake runner keeps no drafts: it takes the KV the drafts wrote
+    # past a block's computed tokens for a wrong read, so its violations
+    # are not checked here.) The chunk's last token samples the new turn's
+    # first: at the chunk's end, where the whole chunk was computed.
+    start = len(prompt) + 1 + len(chunk)
+    tokens = list(session.all_token_ids)
+    assert tokens[: start + 1] == [
+        *prompt,
+        sampled_token("s", 20),
+        *chunk,
+        sampled_token("s", start),
+    ]
