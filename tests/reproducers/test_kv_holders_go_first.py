@@ -331,61 +331,6 @@ def test_with_a_request_running_a_finished_load_waits_behind_the_head():
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
 
 
-def test_a_set_aside_session_ended_by_output_in_flight_leaves_skipped_waiting():
-    # Async scheduling: session S samples a stop token, and its next step
-    # is already in flight when the scheduler learns it. The stop applies
-    # S's queued next input and S waits again, holding its blocks, with its
-    # end queued too; nothing runs, and the head H needs more than is free.
-    # The scan goes on to S (its end is queued), which does not fit either
-    # and is set aside in skipped_waiting. Then the output of the step in
-    # flight comes in and ends S: the stop token of its new input. S is
-    # finished and must leave skipped_waiting too, not only the waiting
-    # queue the release takes it out of, or the next scan takes a finished
-    # request (the harness's queue check names it after the step). From
-    # 0.27.0 the release takes such a request out of both queues itself.
-    # Stores still in flight keep the deadlock break from freeing S first
-    # (preempted, S would wait in the waiting queue, not set aside).
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=12,
-            num_cpu_blocks=256,
-            async_scheduling=True,
-            transfer_delay=lambda is_store: 6 if is_store else 0,
-        )
-    )
-    prompt = [100 + t for t in range(3 * BS)]
-    # S stops on the token it samples at position 50; the step that samples
-    # position 51 is then in flight.
-    session = e.add_request(prompt, 20, "S", resumable=True, stop_at=len(prompt) + 2)
-    in_flight = len(prompt) + 3
-    e.step()
-    e.step()
-    # 11 usable: S holds 4, H needs 8.
-    high = e.add_request([5000 + t for t in range(8 * BS)], max_tokens=1)
-    # S's next input makes it 14 blocks, more than the pool: only the token
-    # the step in flight samples, its stop token, can end it. Then S's end.
-    chunk = [700 + t for t in range(10 * BS)]
-    e.add_request(chunk, 1, session, resumable=True, stop_at=in_flight)
-    e.add_request([0], 1, session)
-    scheduler = e.scheduler
-    update_from_output = scheduler.update_from_output
-    set_aside = []
-
-    def noting_where_s_waits(so, out):
-        # The premise: S waits set aside when the output that ends it comes.
-        request = scheduler.requests.get(session)
-        if request is not None and session in so.num_scheduled_tokens:
-            set_aside.append(request in scheduler.skipped_waiting)
-        return update_from_output(so, out)
-
-    scheduler.update_from_output = noting_where_s_waits
-    e.run(max_steps=50)
-    assert set_aside[-1:] == [True], f"S set aside at its outputs: {set_aside}"
-    assert high in e.stats.finished
-    assert_manager_ok(scheduler.kv_cache_manager, all_done=True)
-
-
 @pytest.mark.parametrize(
     ("seed", "hash_seed"), [(32693, 31337), (40, 0)], ids=["32693", "40"]
 )

@@ -139,3 +139,84 @@ def test_a_session_stopped_with_drafts_in_flight_computes_its_next_chunk():
         *chunk,
         sampled_token("s", start),
     ]
+
+
+def test_a_session_that_reaches_max_tokens_keeps_the_first_token_of_its_next_turn():
+    """A stop by max_tokens leaves no step in flight (none is scheduled past
+    max_tokens): nothing is to be dropped, and the first output of the next
+    turn is the session's."""
+    e = Engine(HarnessConfig(offload=False, async_scheduling=True))
+    prompt, chunk = list(range(20)), list(range(700, 710))
+    e.add_request(prompt, 2, "s", resumable=True)
+    e.add_request(list(range(100, 130)), 8, "other")
+    e.step()
+    e.add_request(chunk, 2, "s", resumable=True)
+    session = e.scheduler.requests["s"]
+    e.run(max_steps=100)
+    assert session.status.name == "WAITING_FOR_STREAMING_REQ"
+    # Its 2 tokens, the last (never computed) cut by the chunk, then the
+    # chunk and the 2 tokens of the next turn.
+    start = len(prompt) + 1 + len(chunk)
+    first = [*prompt, sampled_token("s", len(prompt)), *chunk]
+    then = [sampled_token("s", start), sampled_token("s", start + 1)]
+    assert list(session.all_token_ids) == [*first, *then]
+
+
+def test_a_session_preempted_with_its_ended_turn_in_flight_gets_none_of_it():
+    """Four pipeline stages keep up to four steps in flight: the session
+    resumes with its next chunk while two steps of the turn it stopped are
+    still in flight, and a preemption for blocks (five usable) resets it.
+    The output of those steps must still be dropped, with that of the steps
+    the preemption resets; the tokens the session ends with are its own."""
+    e = Engine(
+        HarnessConfig(
+            offload=False,
+            prefix_caching=False,
+            async_scheduling=True,
+            pipeline_parallel_size=4,
+            num_gpu_blocks=6,
+        )
+    )
+    prompt, chunk = list(range(20)), list(range(700, 710))
+    e.add_request(prompt, 8, "s", resumable=True, stop_at=20)
+    e.add_request(list(range(100, 130)), 40, "other")
+    e.step()
+    e.add_request(chunk, 8, "s", resumable=True)
+    session = e.scheduler.requests["s"]
+    e.run(max_steps=200)
+    assert e.stats.preemptions >= 1
+    start = len(prompt) + 1 + len(chunk)
+    tokens = list(session.all_token_ids)
+    assert tokens[:start] == [*prompt, sampled_token("s", len(prompt)), *chunk]
+    assert tokens[start:] == [sampled_token("s", p) for p in range(start, len(tokens))]
+    assert len(tokens) == start + 8
+
+
+def test_a_session_reset_with_its_ended_turn_in_flight_gets_none_of_it():
+    """As above, with a reset of the prefix cache (a weight update) where
+    the preemption was: it preempts the session while steps of its ended
+    turn are in flight."""
+    e = Engine(
+        HarnessConfig(offload=False, async_scheduling=True, pipeline_parallel_size=4)
+    )
+    prompt, chunk = list(range(20)), list(range(700, 710))
+    e.add_request(prompt, 8, "s", resumable=True, stop_at=20)
+    e.add_request(list(range(100, 130)), 16, "other")
+    e.step()
+    e.add_request(chunk, 8, "s", resumable=True)
+    session = e.scheduler.requests["s"]
+    for _ in range(20):  # until the stop applies the chunk
+        if len(session.prompt_token_ids) > len(prompt):
+            break
+        e.step()
+    else:
+        raise AssertionError("the chunk was never applied")
+    e.step()  # the session resumes, the ended turn's steps still in flight
+    assert session.status.name == "RUNNING"
+    assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
+    e.run(max_steps=200)
+    start = len(prompt) + 1 + len(chunk)
+    tokens = list(session.all_token_ids)
+    assert tokens[:start] == [*prompt, sampled_token("s", len(prompt)), *chunk]
+    assert tokens[start:] == [sampled_token("s", p) for p in range(start, len(tokens))]
+    assert len(tokens) == start + 8
