@@ -20,9 +20,49 @@ be dropped as they come back.
 
 from __future__ import annotations
 
+from vllm.v1.request import Request
+
 from harness.engine import Engine, HarnessConfig
 from harness.engine_core import step_as_engine_core
 from harness.runner import sampled_token
+
+PROMPT = list(range(20))
+CHUNK = list(range(700, 710))
+# Where the next turn's tokens start: the prompt, the stop token (sampled at
+# 20, computed by the step in flight at the stop and kept, as the release
+# keeps it) and the chunk.
+START = len(PROMPT) + 1 + len(CHUNK)
+
+
+def session_given_a_chunk_while_it_runs(
+    cfg: HarnessConfig, max_tokens: int, other_tokens: int, stop: bool = True
+) -> tuple[Engine, Request]:
+    """Session s (PROMPT; with `stop`, it stops on its first sampled token)
+    runs beside a 30-token request; its next chunk comes after the first
+    step, while it runs, so its stop applies the chunk."""
+    e = Engine(cfg)
+    stop_at = len(PROMPT) if stop else None
+    e.add_request(PROMPT, max_tokens, "s", resumable=True, stop_at=stop_at)
+    e.add_request(list(range(100, 130)), other_tokens, "other")
+    e.step()
+    e.add_request(CHUNK, max_tokens, "s", resumable=True)
+    return e, e.scheduler.requests["s"]
+
+
+def step_until_the_chunk_is_applied(e: Engine, session: Request) -> None:
+    for _ in range(20):
+        if len(session.prompt_token_ids) > len(PROMPT):
+            return
+        e.step()
+    raise AssertionError("the chunk was never applied")
+
+
+def assert_the_next_turn_is_the_sessions(session: Request, num_tokens: int) -> None:
+    """The prompt, the stop token and the chunk, then `num_tokens` of the
+    next turn, each sampled at its own position."""
+    tokens = list(session.all_token_ids)
+    assert tokens[:START] == [*PROMPT, sampled_token("s", len(PROMPT)), *CHUNK]
+    assert tokens[START:] == [sampled_token("s", START + i) for i in range(num_tokens)]
 
 
 def stop_a_session_twice(e: Engine, k: int) -> str:
@@ -76,19 +116,9 @@ def test_a_chunk_given_while_the_session_ran_starts_its_turn_with_its_own_token(
     """The chunk is queued while the session runs, so its stop applies it;
     the first token of the new turn is the one sampled after the chunk, not
     the one the ended turn's step in flight sampled."""
-    e = Engine(HarnessConfig(offload=False, async_scheduling=True))
-    prompt, chunk = list(range(20)), list(range(700, 710))
-    e.add_request(prompt, 4, "s", resumable=True, stop_at=20)
-    e.add_request(list(range(100, 130)), 8, "other")
-    e.step()
-    e.add_request(chunk, 4, "s", resumable=True)
-    session = e.scheduler.requests["s"]
-    for _ in range(20):  # until the stop applies the chunk
-        if len(session.prompt_token_ids) > len(prompt):
-            break
-        e.step()
-    else:
-        raise AssertionError("the chunk was never applied")
+    cfg = HarnessConfig(offload=False, async_scheduling=True)
+    e, session = session_given_a_chunk_while_it_runs(cfg, 4, 8)
+    step_until_the_chunk_is_applied(e, session)
     # The session goes on at once, as in the release: the step in flight
     # holds back nothing but its own output.
     so = e.step()
@@ -99,14 +129,8 @@ def test_a_chunk_given_while_the_session_ran_starts_its_turn_with_its_own_token(
             break
     else:
         raise AssertionError(f"s never waited for input: {session.status}")
-    tokens = list(session.all_token_ids)
-    # The premise: the stop token (at 20) was computed by the step in flight
-    # at the stop, so the session kept it, as the release does.
-    assert tokens[:22] == [*prompt, sampled_token("s", 20), *chunk[:1]]
-    start = len(prompt) + 1 + len(chunk)
-    # Its max_tokens (4), each sampled at its own position, and nothing
-    # left in flight on its counters.
-    assert tokens[start:] == [sampled_token("s", start + i) for i in range(4)]
+    # Its max_tokens (4), and nothing left in flight on its counters.
+    assert_the_next_turn_is_the_sessions(session, 4)
     assert session.num_output_placeholders == 0
     assert e.runner.violations == []
 
@@ -116,14 +140,9 @@ def test_a_session_stopped_with_drafts_in_flight_computes_its_next_chunk():
     computed tokens ran past the session's tokens, and the dropped output
     no longer rolls them back. The chunk must be computed from where the
     session's own tokens end."""
-    e = Engine(HarnessConfig(offload=False, async_scheduling=True))
-    prompt, chunk = list(range(20)), list(range(700, 710))
-    e.add_request(prompt, 4, "s", resumable=True, stop_at=20)
-    e.add_request(list(range(100, 130)), 8, "other")
-    e.step()  # both prefills; s samples its stop token
-    session = e.scheduler.requests["s"]
+    cfg = HarnessConfig(offload=False, async_scheduling=True)
+    e, session = session_given_a_chunk_while_it_runs(cfg, 4, 8)
     session.spec_token_ids = [7, 8]
-    e.add_request(chunk, 2, "s", resumable=True)
     so = e.step()  # s decodes with the drafts, and then stops
     assert so is not None and so.scheduled_spec_decode_tokens.get("s") == [7, 8]
     e.run(max_steps=100)
@@ -131,35 +150,20 @@ def test_a_session_stopped_with_drafts_in_flight_computes_its_next_chunk():
     # past a block's computed tokens for a wrong read, so its violations
     # are not checked here.) The chunk's last token samples the new turn's
     # first: at the chunk's end, where the whole chunk was computed.
-    start = len(prompt) + 1 + len(chunk)
-    tokens = list(session.all_token_ids)
-    assert tokens[: start + 1] == [
-        *prompt,
-        sampled_token("s", 20),
-        *chunk,
-        sampled_token("s", start),
-    ]
+    assert_the_next_turn_is_the_sessions(session, 4)
 
 
 def test_a_session_that_reaches_max_tokens_keeps_the_first_token_of_its_next_turn():
     """A stop by max_tokens leaves no step in flight (none is scheduled past
     max_tokens): nothing is to be dropped, and the first output of the next
     turn is the session's."""
-    e = Engine(HarnessConfig(offload=False, async_scheduling=True))
-    prompt, chunk = list(range(20)), list(range(700, 710))
-    e.add_request(prompt, 2, "s", resumable=True)
-    e.add_request(list(range(100, 130)), 8, "other")
-    e.step()
-    e.add_request(chunk, 2, "s", resumable=True)
-    session = e.scheduler.requests["s"]
+    cfg = HarnessConfig(offload=False, async_scheduling=True)
+    e, session = session_given_a_chunk_while_it_runs(cfg, 2, 8, stop=False)
     e.run(max_steps=100)
     assert session.status.name == "WAITING_FOR_STREAMING_REQ"
     # Its 2 tokens, the last (never computed) cut by the chunk, then the
     # chunk and the 2 tokens of the next turn.
-    start = len(prompt) + 1 + len(chunk)
-    first = [*prompt, sampled_token("s", len(prompt)), *chunk]
-    then = [sampled_token("s", start), sampled_token("s", start + 1)]
-    assert list(session.all_token_ids) == [*first, *then]
+    assert_the_next_turn_is_the_sessions(session, 2)
 
 
 def test_a_session_preempted_with_its_ended_turn_in_flight_gets_none_of_it():
@@ -168,55 +172,28 @@ def test_a_session_preempted_with_its_ended_turn_in_flight_gets_none_of_it():
     still in flight, and a preemption for blocks (five usable) resets it.
     The output of those steps must still be dropped, with that of the steps
     the preemption resets; the tokens the session ends with are its own."""
-    e = Engine(
-        HarnessConfig(
-            offload=False,
-            prefix_caching=False,
-            async_scheduling=True,
-            pipeline_parallel_size=4,
-            num_gpu_blocks=6,
-        )
+    cfg = HarnessConfig(
+        offload=False,
+        prefix_caching=False,
+        async_scheduling=True,
+        pipeline_parallel_size=4,
+        num_gpu_blocks=6,
     )
-    prompt, chunk = list(range(20)), list(range(700, 710))
-    e.add_request(prompt, 8, "s", resumable=True, stop_at=20)
-    e.add_request(list(range(100, 130)), 40, "other")
-    e.step()
-    e.add_request(chunk, 8, "s", resumable=True)
-    session = e.scheduler.requests["s"]
+    e, session = session_given_a_chunk_while_it_runs(cfg, 8, 40)
     e.run(max_steps=200)
     assert e.stats.preemptions >= 1
-    start = len(prompt) + 1 + len(chunk)
-    tokens = list(session.all_token_ids)
-    assert tokens[:start] == [*prompt, sampled_token("s", len(prompt)), *chunk]
-    assert tokens[start:] == [sampled_token("s", p) for p in range(start, len(tokens))]
-    assert len(tokens) == start + 8
+    assert_the_next_turn_is_the_sessions(session, 8)
 
 
 def test_a_session_reset_with_its_ended_turn_in_flight_gets_none_of_it():
     """As above, with a reset of the prefix cache (a weight update) where
     the preemption was: it preempts the session while steps of its ended
     turn are in flight."""
-    e = Engine(
-        HarnessConfig(offload=False, async_scheduling=True, pipeline_parallel_size=4)
-    )
-    prompt, chunk = list(range(20)), list(range(700, 710))
-    e.add_request(prompt, 8, "s", resumable=True, stop_at=20)
-    e.add_request(list(range(100, 130)), 16, "other")
-    e.step()
-    e.add_request(chunk, 8, "s", resumable=True)
-    session = e.scheduler.requests["s"]
-    for _ in range(20):  # until the stop applies the chunk
-        if len(session.prompt_token_ids) > len(prompt):
-            break
-        e.step()
-    else:
-        raise AssertionError("the chunk was never applied")
+    cfg = HarnessConfig(offload=False, async_scheduling=True, pipeline_parallel_size=4)
+    e, session = session_given_a_chunk_while_it_runs(cfg, 8, 16)
+    step_until_the_chunk_is_applied(e, session)
     e.step()  # the session resumes, the ended turn's steps still in flight
     assert session.status.name == "RUNNING"
     assert e.scheduler.reset_prefix_cache(reset_running_requests=True)
     e.run(max_steps=200)
-    start = len(prompt) + 1 + len(chunk)
-    tokens = list(session.all_token_ids)
-    assert tokens[:start] == [*prompt, sampled_token("s", len(prompt)), *chunk]
-    assert tokens[start:] == [sampled_token("s", p) for p in range(start, len(tokens))]
-    assert len(tokens) == start + 8
+    assert_the_next_turn_is_the_sessions(session, 8)
