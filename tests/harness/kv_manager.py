@@ -79,15 +79,24 @@ def group_spec(kind: str, block_size: int) -> Any:
             dtype=torch.float32,
             sliding_window=2 * block_size,
         )
-    if kind in ("mamba_align", "mamba_align_spec"):
+    if kind in ("mamba_align", "mamba_align_spec", "mamba_align_checkpoint"):
         # mamba_align_spec: one speculative block (speculative decoding),
         # which align mode moves along as the request grows.
+        # mamba_align_checkpoint: a prefill checkpoint block (from 0.29.0),
+        # where a chunk that ends inside a block also keeps the state at
+        # the block boundary before its end.
+        checkpoint = (
+            {"num_prefill_checkpoint_blocks": 1}
+            if kind == "mamba_align_checkpoint"
+            else {}
+        )
         return MambaSpec(
             block_size=block_size,
             shapes=((1, 1),),
             dtypes=(torch.float32,),
             mamba_cache_mode="align",
             num_speculative_blocks=1 if kind == "mamba_align_spec" else 0,
+            **checkpoint,
         )
     raise ValueError(f"unknown KV cache group kind {kind}")
 

@@ -18,15 +18,11 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from vllm import SamplingParams
 from vllm.v1.core import kv_cache_utils
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
-from harness.config import sha256
 from harness.engine import Engine, HarnessConfig
 from harness.engine_core import held_gpu_blocks, offload_engine, step_as_engine_core
-from harness.kv_manager import make_layout_manager
 from harness.mamba import (
     PROMPT,
     attention_evicted_past_the_mamba_state,
@@ -35,6 +31,7 @@ from harness.mamba import (
     skip_where_a_load_is_refused,
 )
 from harness.offload_checks import loaded_blocks
+from harness.sync_load import allocate_with_external_tokens
 
 EXTENSION = list(range(900, 917))
 
@@ -266,42 +263,28 @@ def test_sessions_stopped_twice_by_output_in_flight():
 # --- ledger row mamba-sync-external-hit-count ---------------------------------
 
 
-def synchronous_external_hit(num_free: int) -> str:
-    """A full-attention + Mamba align-mode manager (16-token blocks) with
-    `num_free` free blocks, asked as the scheduler asks for a request whose
-    connector loads synchronously: 64 external tokens and 1 new one, in one
-    allocate_slots call. Returns 'refused', 'allocated', or the error."""
-    init_none_hash(sha256)
-    manager = make_layout_manager(("full", "mamba_align"), 64, 16, max_model_len=1024)
-    request = Request(
-        "r",
-        list(range(65)),
-        SamplingParams(max_tokens=1),
-        None,
-        block_hasher=get_request_block_hasher(16, sha256),
-    )
-    pool = manager.block_pool
-    pool.get_new_blocks(pool.get_num_free_blocks() - num_free)
-    try:
-        blocks = manager.allocate_slots(request, 1, num_external_computed_tokens=64)
-    except Exception as error:  # what the engine would die of
-        return f"{type(error).__name__}: {error}"
-    return "refused" if blocks is None else "allocated"
-
-
 def test_a_synchronous_external_hit_on_mamba_align_is_counted_one_block_short():
     """vllm#46892 (open PR): MambaManager counts 1 block (plus the
     speculative ones) for a first prefill, but with external tokens loaded
     in the same step it takes one for the external state and one for the
     new token. At the smallest free count the count accepts, the pool runs
-    dry inside the allocation: on every release, bare and series, the
-    engine would die in schedule(). The series names the wrong count
-    (0002's check) instead of the pool's bare ValueError. Reached from the
-    scheduler on 0.23.0-0.33.0 by a connector that loads synchronously
-    (DecodeBenchConnector); SimpleCPUOffload's loads are async, and counted
-    exactly."""
-    outcomes = [synchronous_external_hit(k) for k in range(12)]
+    dry inside the allocation: on every bare release, and on the series
+    without R12, the engine would die in schedule(). The series before R12
+    names the wrong count (0002's check) instead of the pool's bare
+    ValueError. Reached from the scheduler on 0.23.0-0.33.0 by a connector
+    that loads synchronously (DecodeBenchConnector); SimpleCPUOffload's
+    loads are async, and counted exactly. R12 (the series of 0.23.0-0.33.0)
+    counts the block; its reproducers are in
+    tests/reproducers/test_mamba_sync_external_hit.py."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    outcomes = [
+        allocate_with_external_tokens("mamba_align", 64, 1, k)[0] for k in range(12)
+    ]
     first = next(i for i, o in enumerate(outcomes) if o != "refused")
+    if source_has(MambaManager, "_num_loaded_state_blocks"):
+        assert first == 7 and outcomes[first] == "allocated", outcomes
+        return
     assert first == 6, outcomes  # the count: 5 attention blocks and 1 Mamba
     assert outcomes[first + 1] == "allocated", outcomes
     if hasattr(kv_cache_utils, "KVCacheCorruptionError"):

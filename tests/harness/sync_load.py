@@ -1,0 +1,159 @@
+"""A KV connector that loads synchronously, on the harness engine.
+
+SimpleCPUOffload's loads are async: the scheduler allocates a hit's
+external tokens alone, and the request waits for the load. Connectors
+that load synchronously (load_kv_async False: a P/D connector that pulls
+the prefill's KV before the forward, DecodeBenchConnector) have the
+scheduler allocate the external tokens and the first new tokens in one
+allocate_slots call and schedule them in the same step; the worker puts
+the KV in place before the forward reads it.
+
+`load_prefix_synchronously` gives the engine such a connector for one
+prefix: the engine's SimpleCPUOffload connector, whose class is swapped on
+the instance for a subclass (so that the scheduler's isinstance checks and
+every other call stay the release's), answers a hit on `prefix` from a
+remote holder, synchronously; the fake runner then finds the loaded blocks
+holding the prefix's content before its forward, as a real load leaves
+them. Every other request is SimpleCPUOffload's, as before.
+
+`allocate_with_external_tokens` makes the scheduler's call alone, on a
+KVCacheManager with a Mamba align group, at a chosen free count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.request import Request
+
+from harness.config import sha256
+from harness.engine import Engine
+from harness.kv_manager import make_layout_manager
+
+
+def load_prefix_synchronously(e: Engine, prefix: list[int]) -> dict[str, int]:
+    """From now on, a request whose prompt starts with `prefix` and goes on
+    past it gets the tokens up to the prefix's end from the connector,
+    loaded synchronously. Returns the loads the worker made: request id ->
+    the tokens computed once its load is in place."""
+    connector = e.scheduler.connector
+    assert connector is not None, "the engine has no connector to load with"
+    release_class = type(connector)
+    # request id -> (tokens computed before the load, after it).
+    pending: dict[str, tuple[int, int]] = {}
+    # request id -> block ids per group, until the worker fills them.
+    to_fill: dict[str, list[list[int]]] = {}
+    done: dict[str, int] = {}
+
+    def holds_prefix(request: Any) -> bool:
+        prompt = list(request.prompt_token_ids or ())
+        return len(prompt) > len(prefix) and prompt[: len(prefix)] == prefix
+
+    class SynchronousRemote(release_class):  # type: ignore[valid-type,misc]
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            if not holds_prefix(request) or num_computed_tokens >= len(prefix):
+                return super().get_num_new_matched_tokens(request, num_computed_tokens)
+            pending[request.request_id] = (num_computed_tokens, len(prefix))
+            return len(prefix) - num_computed_tokens, False
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            if request.request_id in pending and num_external_tokens > 0:
+                to_fill[request.request_id] = [
+                    list(ids) for ids in blocks.get_block_ids()
+                ]
+                # SimpleCPUOffload tracks the request for its stores only.
+                num_external_tokens = 0
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    connector.__class__ = SynchronousRemote
+    runner = e.runner
+    prepare = runner.prepare
+
+    def prepare_then_load(so: Any, step: int) -> None:
+        """After the zeroing of the step's new blocks, as a real runner
+        runs the connector's load after _update_states: the loaded
+        blocks get the prefix's content (a Mamba group: the state at the
+        prefix's end, in the block of its last token)."""
+        prepare(so, step)
+        writes: dict[int, Any] = {}
+        for req_id in [r for r in to_fill if r in so.num_scheduled_tokens]:
+            table = to_fill.pop(req_id)
+            first, end = pending.pop(req_id)
+            req = e.requests[req_id]
+            for group, bs in enumerate(runner.block_sizes):
+                if runner.kinds[group] == "mamba":
+                    indices = range((end - 1) // bs, (end - 1) // bs + 1)
+                else:
+                    indices = range(first // bs, (end - 1) // bs + 1)
+                for i in indices:
+                    tag = runner.oracle.tag(req, group, i, min(bs, end - i * bs))
+                    writes[table[group][i]] = tag
+            done[req_id] = end
+        if writes:
+            runner.forward(f"the synchronous loads of step {step}", [], writes)
+
+    runner.prepare = prepare_then_load  # type: ignore[method-assign]
+    return done
+
+
+def allocate_with_external_tokens(
+    mamba: str,
+    num_external: int,
+    num_new: int,
+    num_free: int,
+    load: str = "sync",
+    block_size: int = 16,
+) -> tuple[str, int]:
+    """A full-attention + Mamba (`mamba`: mamba_align, or mamba_align_spec
+    with a speculative block) manager, asked for a request's
+    `num_external` external tokens and `num_new` new ones as the scheduler
+    asks where its connector loads synchronously (`load` sync: one
+    allocate_slots call), or for the resume of an async load (`load`
+    async: the external tokens allocated alone, then the new ones), or for
+    a request with no external tokens (`num_external` 0). The measured
+    call finds `num_free` free blocks. Returns the outcome ('refused',
+    'allocated' or the error the engine would die of) and the blocks the
+    measured call took."""
+    init_none_hash(sha256)
+    manager = make_layout_manager(("full", mamba), 64, block_size, max_model_len=1024)
+    request = Request(
+        "r",
+        list(range(num_external + num_new)),
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
+    pool = manager.block_pool
+    if load == "async":
+        # The load's own call, then its resume once the load is done.
+        assert (
+            manager.allocate_slots(
+                request,
+                0,
+                num_external_computed_tokens=num_external,
+                delay_cache_blocks=True,
+            )
+            is not None
+        )
+        request.num_computed_tokens = num_external
+        num_external = 0
+    start = pool.get_num_free_blocks()
+    pool.get_new_blocks(start - num_free)
+    try:
+        blocks = manager.allocate_slots(
+            request, num_new, num_external_computed_tokens=num_external
+        )
+    except Exception as error:  # what the engine would die of
+        return f"{type(error).__name__}: {error}", 0
+    taken = num_free - pool.get_num_free_blocks()
+    if blocks is None:
+        assert taken == 0, "a refused allocation keeps nothing"
+        return "refused", 0
+    manager.free(request)
+    held_by_the_test = start - num_free
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - held_by_the_test, (
+        "the request gave back all it held"
+    )
+    return "allocated", taken
