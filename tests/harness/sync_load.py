@@ -30,7 +30,7 @@ from vllm.v1.request import Request
 
 from harness.config import sha256
 from harness.engine import Engine
-from harness.kv_manager import make_layout_manager
+from harness.kv_manager import computed_blocks, make_layout_manager
 
 
 def load_prefix_synchronously(e: Engine, prefix: list[int]) -> dict[str, int]:
@@ -100,60 +100,97 @@ def load_prefix_synchronously(e: Engine, prefix: list[int]) -> dict[str, int]:
 
 def allocate_with_external_tokens(
     mamba: str,
-    num_external: int,
+    num_before: int,
     num_new: int,
     num_free: int,
     load: str = "sync",
+    local_hit: int = 0,
+    hit_held: bool = False,
     block_size: int = 16,
 ) -> tuple[str, int]:
-    """A full-attention + Mamba (`mamba`: mamba_align, or mamba_align_spec
-    with a speculative block) manager, asked for a request's
-    `num_external` external tokens and `num_new` new ones as the scheduler
-    asks where its connector loads synchronously (`load` sync: one
-    allocate_slots call), or for the resume of an async load (`load`
-    async: the external tokens allocated alone, then the new ones), or for
-    a request with no external tokens (`num_external` 0). The measured
-    call finds `num_free` free blocks. Returns the outcome ('refused',
-    'allocated' or the error the engine would die of) and the blocks the
-    measured call took."""
+    """A full-attention + Mamba (`mamba`: mamba_align, mamba_align_spec with
+    a speculative block, or mamba_align_checkpoint with a prefill
+    checkpoint block) manager, asked for a request's `num_new` new tokens
+    after `num_before` others, with `num_free` free blocks. `load` says
+    what the `num_before` tokens are:
+
+    - sync: external tokens a connector loads synchronously, allocated in
+      the same allocate_slots call as the new ones (the scheduler's call);
+    - async: external tokens an async load allocated in an earlier call
+      (the measured call is the load's resume);
+    - computed: tokens an earlier call computed (a running request);
+    - admit: external tokens of an async load, whose own call is the
+      measured one, asked as the scheduler admits it where the whole
+      prompt must fit (scheduler_reserve_full_isl): `num_new` is the rest
+      of the prompt.
+
+    `local_hit`: the request's first tokens hit the prefix cache, left
+    there by a request that computed them: finished (its blocks free,
+    evictable), or still running with `hit_held`.
+    Returns the outcome ('refused', 'allocated' or the error the engine
+    would die of) and the blocks the measured call took."""
     init_none_hash(sha256)
     manager = make_layout_manager(("full", mamba), 64, block_size, max_model_len=1024)
-    request = Request(
-        "r",
-        list(range(num_external + num_new)),
-        SamplingParams(max_tokens=1),
-        None,
-        block_hasher=get_request_block_hasher(block_size, sha256),
-    )
+    hasher = get_request_block_hasher(block_size, sha256)
     pool = manager.block_pool
-    if load == "async":
-        # The load's own call, then its resume once the load is done.
-        assert (
-            manager.allocate_slots(
-                request,
-                0,
-                num_external_computed_tokens=num_external,
-                delay_cache_blocks=True,
-            )
-            is not None
+    all_free = pool.get_num_free_blocks()
+    tokens = list(range(local_hit + num_before + num_new))
+
+    def request(req_id: str, prompt: list[int]) -> Request:
+        return Request(
+            req_id, prompt, SamplingParams(max_tokens=1), None, block_hasher=hasher
         )
-        request.num_computed_tokens = num_external
-        num_external = 0
+
+    if local_hit:
+        producer = request("producer", tokens[:local_hit] + [-1])
+        assert manager.allocate_slots(producer, local_hit) is not None
+        producer.num_computed_tokens = local_hit
+        if not hit_held:
+            manager.free(producer)
+        # A later step: Mamba takes no hit on a block cached in this one.
+        manager.new_step_starts()
+    req = request("r", tokens)
+    hit_blocks, num_hit = computed_blocks(manager, req)
+    assert num_hit == local_hit, f"the prefix cache holds {num_hit} of {local_hit}"
+    num_external = num_before if load == "sync" else 0
+    if load in ("async", "computed"):
+        assert not local_hit, "a hit is taken in the request's first call"
+        # The load's own call (then its resume), or the call that computed
+        # the tokens before.
+        first = manager.allocate_slots(
+            req,
+            0 if load == "async" else num_before,
+            num_external_computed_tokens=num_before if load == "async" else 0,
+            delay_cache_blocks=load == "async",
+        )
+        assert first is not None
+        req.num_computed_tokens = num_before
     start = pool.get_num_free_blocks()
     pool.get_new_blocks(start - num_free)
+    admit = load == "admit"
     try:
         blocks = manager.allocate_slots(
-            request, num_new, num_external_computed_tokens=num_external
+            req,
+            0 if admit else num_new,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hit_blocks if num_hit else None,
+            num_external_computed_tokens=num_before if admit else num_external,
+            delay_cache_blocks=admit,
+            full_sequence_must_fit=admit,
         )
     except Exception as error:  # what the engine would die of
         return f"{type(error).__name__}: {error}", 0
     taken = num_free - pool.get_num_free_blocks()
     if blocks is None:
-        assert taken == 0, "a refused allocation keeps nothing"
+        # It may free blocks its request no longer needs (remove_skipped_blocks
+        # runs before the count, a Mamba group's old state block).
+        assert taken <= 0, "a refused allocation takes nothing"
         return "refused", 0
-    manager.free(request)
+    manager.free(req)
+    if local_hit and hit_held:
+        manager.free(producer)
     held_by_the_test = start - num_free
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1 - held_by_the_test, (
-        "the request gave back all it held"
+    assert pool.get_num_free_blocks() == all_free - held_by_the_test, (
+        "the requests gave back all they held"
     )
     return "allocated", taken
