@@ -85,11 +85,13 @@ def group_spec(kind: str, block_size: int) -> Any:
         # mamba_align_checkpoint: a prefill checkpoint block (from 0.29.0),
         # where a chunk that ends inside a block also keeps the state at
         # the block boundary before its end.
-        checkpoint = (
-            {"num_prefill_checkpoint_blocks": 1}
-            if kind == "mamba_align_checkpoint"
-            else {}
-        )
+        checkpoint: dict[str, int] = {}
+        if kind == "mamba_align_checkpoint":
+            checkpoint["num_prefill_checkpoint_blocks"] = 1
+            if "prefill_checkpoint_alignment" in MambaSpec.__dataclass_fields__:
+                # From 0.30.0 a checkpoint needs an alignment (None: none is
+                # ever valid); 1, as mamba_mixer2 sets it.
+                checkpoint["prefill_checkpoint_alignment"] = 1
         return MambaSpec(
             block_size=block_size,
             shapes=((1, 1),),
