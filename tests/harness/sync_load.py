@@ -175,8 +175,13 @@ def allocate_with_external_tokens(
             num_new_computed_tokens=num_hit,
             new_computed_blocks=hit_blocks if num_hit else None,
             num_external_computed_tokens=num_before if admit else num_external,
-            delay_cache_blocks=admit,
-            full_sequence_must_fit=admit,
+            # Passed only for an admission: up to 0.22.1 allocate_slots has
+            # no full_sequence_must_fit.
+            **(
+                {"delay_cache_blocks": True, "full_sequence_must_fit": True}
+                if admit
+                else {}
+            ),
         )
     except Exception as error:  # what the engine would die of
         return f"{type(error).__name__}: {error}", 0
