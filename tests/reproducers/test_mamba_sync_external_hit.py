@@ -10,7 +10,8 @@ the new tokens run past that block, the running state's block(s) after
 it; the release's count says 1 + the speculative blocks, one short. At
 the smallest free count the count accepts, the pool runs dry inside the
 allocation and EngineCore dies in schedule(). The fix counts the loaded
-state's block where the new tokens leave it.
+state's block where the new tokens leave it, unless a local hit's block
+left free in the cache (counted as taken, but skipped) already covers it.
 
 The scheduler reaches this from 0.23.0, which let a synchronous external
 hit past `_mamba_block_aligned_split`; 0.19.0-0.22.1 assert there first
