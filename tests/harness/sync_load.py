@@ -107,6 +107,7 @@ def allocate_with_external_tokens(
     local_hit: int = 0,
     hit_held: bool = False,
     block_size: int = 16,
+    hash_block_size: int | None = None,
 ) -> tuple[str, int]:
     """A full-attention + Mamba (`mamba`: mamba_align, mamba_align_spec with
     a speculative block, or mamba_align_checkpoint with a prefill
@@ -126,12 +127,16 @@ def allocate_with_external_tokens(
 
     `local_hit`: the request's first tokens hit the prefix cache, left
     there by a request that computed them: finished (its blocks free,
-    evictable), or still running with `hit_held`.
+    evictable), or still running with `hit_held`. A `hash_block_size`
+    below `block_size` lets that hit end inside a block (from 0.33.0, a
+    partial hit, which the allocation copies on write).
     Returns the outcome ('refused', 'allocated' or the error the engine
     would die of) and the blocks the measured call took."""
     init_none_hash(sha256)
-    manager = make_layout_manager(("full", mamba), 64, block_size, max_model_len=1024)
-    hasher = get_request_block_hasher(block_size, sha256)
+    manager = make_layout_manager(
+        ("full", mamba), 64, block_size, 1024, hash_block_size=hash_block_size
+    )
+    hasher = get_request_block_hasher(hash_block_size or block_size, sha256)
     pool = manager.block_pool
     all_free = pool.get_num_free_blocks()
     tokens = list(range(local_hit + num_before + num_new))
@@ -191,6 +196,11 @@ def allocate_with_external_tokens(
         # runs before the count, a Mamba group's old state block).
         assert taken <= 0, "a refused allocation takes nothing"
         return "refused", 0
+    if hasattr(manager, "take_kv_cache_block_copies"):
+        # A partial hit's copy on write holds both of its blocks until the
+        # step that runs the copy is done; the scheduler then frees them.
+        _, retained = manager.take_kv_cache_block_copies()
+        pool.free_blocks(retained)
     manager.free(req)
     if local_hit and hit_held:
         manager.free(producer)
