@@ -110,6 +110,14 @@ class HarnessConfig:
     # a request is scheduled again only once its step's output is back.
     # The fake runner still runs each step as one forward.
     pipeline_parallel_size: int = 1
+    # Decode context parallelism, as the scheduler sees it: the release's
+    # managers scale a group's block by this many ranks where its KV is
+    # striped over them (full attention; from 0.29.0 a Mamba group keeps
+    # its own size, and up to 0.28.0 its manager refuses DCP). The fake
+    # runner models the ranks as one, holding each block whole (every rank
+    # copies the same block ids); each rank's own CPU pool size and its
+    # share of a transfer's completions are not modelled.
+    decode_context_parallel_size: int = 1
     # Steps after launch at which a transfer completes (0: in the same step).
     transfer_delay: Callable[[bool], int] = field(default=lambda is_store: 0)
     # Compare every reservation the scheduler reads for an async load with a
@@ -198,6 +206,10 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
     # Set after the config is built: its checks want a distributed executor
     # for more than one stage, which the scheduler never uses.
     config.parallel_config.pipeline_parallel_size = cfg.pipeline_parallel_size
+    # So is DCP: its checks want as many tensor-parallel ranks.
+    config.parallel_config.decode_context_parallel_size = (
+        cfg.decode_context_parallel_size
+    )
     return config
 
 

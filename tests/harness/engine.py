@@ -134,8 +134,20 @@ class Engine:
             clock=lambda: self.stats.steps,
             delay=self.cfg.transfer_delay,
         )
+        # The tokens a block of each group holds, as the scheduler's managers
+        # count them: the specs' sizes, scaled where decode context
+        # parallelism stripes a group over its ranks.
+        self.block_sizes = [
+            m.block_size
+            for m in self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        ]
+        if self.cfg.decode_context_parallel_size == 1:
+            assert self.block_sizes == self.cfg.group_block_sizes(), (
+                f"the managers' block sizes {self.block_sizes} are not the "
+                f"specs' {self.cfg.group_block_sizes()}"
+            )
         self.runner = FakeModelRunner(
-            self.cfg, self.kv, self.requests, self.cuda.forward
+            self.cfg, self.kv, self.requests, self.cuda.forward, self.block_sizes
         )
         # Async scheduling: steps launched whose output is not processed
         # yet, oldest first, each with where the compute stream was after it.

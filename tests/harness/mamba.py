@@ -42,10 +42,13 @@ def skip_where_a_load_is_refused(mode: str) -> Iterator[None]:
         pytest.skip(f"this release refuses a load with a Mamba {mode} group")
 
 
-def prompt_on_the_cpu_only(e: Engine, prompt: list[int] = PROMPT) -> None:
-    """Compute `prompt`, let the connector store it, and drop the GPU prefix
-    cache: a later request with this prefix loads it from the CPU."""
-    e.add_request(prompt, max_tokens=3)
+def prompt_on_the_cpu_only(
+    e: Engine, prompt: list[int] = PROMPT, max_tokens: int = 3
+) -> None:
+    """Compute `prompt` (and `max_tokens` tokens past it), let the connector
+    store it, and drop the GPU prefix cache: a later request with this
+    prefix loads it from the CPU."""
+    e.add_request(prompt, max_tokens=max_tokens)
     e.run()
     assert e.block_pool.reset_prefix_cache()
 

@@ -61,7 +61,7 @@ def group_block_hashes(e: Engine, req: Request, group: int) -> Any:
     """The request's block hashes counted in `group`'s blocks: a group whose
     blocks are larger than the hash block is cached under the hash of all
     the hash blocks each of its blocks covers, as the block pool keys it."""
-    size = e.cfg.group_block_sizes()[group]
+    size = e.block_sizes[group]
     if size == e.hash_block_size:
         return req.block_hashes
     return BlockHashListWithBlockSize(req.block_hashes, e.hash_block_size, size)
@@ -93,7 +93,7 @@ def lost_or_wrong_cpu_blocks(e: Engine, req_ids: list[str]) -> list[str]:
     (align mode keeps only some states, at block boundaries), but any the
     CPU holds must hold the state after its block's last token. Needs a CPU
     pool large enough that nothing was evicted from it."""
-    sizes = e.cfg.group_block_sizes()
+    sizes = e.block_sizes
     oracle = ContentOracle(sizes)
     hit_unit = math.lcm(*sizes)
     problems = []

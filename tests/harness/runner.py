@@ -131,13 +131,15 @@ class FakeModelRunner:
         kv: FakeKV,
         requests: dict[str, Request],
         forward: Callable[[str, list[int], dict[int, Any]], Any],
+        block_sizes: list[int] | None = None,
     ):
         """`forward(name, reads, writes)` launches the forward on the compute
         stream: it reads the blocks `reads` and writes `writes` (block id ->
-        KV tag)."""
+        KV tag). `block_sizes`: the tokens a block of each group holds, as
+        the scheduler counts them (default: the groups' specs')."""
         self.cfg, self.kv, self.requests = cfg, kv, requests
         self.forward = forward
-        self.block_sizes = cfg.group_block_sizes()
+        self.block_sizes = block_sizes or cfg.group_block_sizes()
         self.kinds = cfg.group_kinds()
         self.oracle = ContentOracle(self.block_sizes)
         self.tables: dict[str, list[list[int]]] = {}
