@@ -344,3 +344,85 @@ def test_a_head_and_a_preempted_session_both_short_of_blocks_drain(seed, hash_se
     # stalled on 32693, the 0.25.0-0.27.1 series on 40.
     record = replay(seed, "mixed", hash_seed=hash_seed)
     assert_runs_to_the_end(record)
+
+
+def skipped_ids(e: Engine) -> list[str]:
+    return [r.request_id for r in e.scheduler.skipped_waiting]
+
+
+def test_a_load_in_flight_keeps_its_place_when_the_scan_stops_in_skipped_waiting():
+    """FCFS: a session S idles holding 8 blocks at the head of the skipped
+    queue. X's async load fails whole; with L's 40 blocks reserved behind
+    it, X cannot load again and waits holding nothing, between S and L,
+    whose load is still in flight. S is then given an input that does not
+    fit, with nothing running: the scan stops at S inside the skipped
+    queue. No holder can go on (X holds nothing, L's copy has not landed),
+    so the queue stays S, X, L; a pass that took L for a holder queued it
+    again ahead of X, which arrived first. Then everything drains. (The
+    bare release refuses nothing for L's reservation: X reloads at once.)"""
+    from harness.queue_state import fcfs_violations
+
+    delay = {"load": 2}
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=64,
+            num_cpu_blocks=256,
+            max_num_batched_tokens=1024,
+            reserve_full_isl=False,
+            kv_load_failure_policy="recompute",
+            transfer_delay=lambda is_store: 0 if is_store else delay["load"],
+        )
+    )
+    # The order is asserted below, where it can be named.
+    e.raise_queue_violations = False
+    prefix_x = [10_000 + t for t in range(10 * BS)]
+    prefix_l = [20_000 + t for t in range(10 * BS)]
+    e.add_request(prefix_x, max_tokens=1)
+    e.add_request(prefix_l, max_tokens=1)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()  # only the CPU holds them now
+    session = e.add_request([100 + t for t in range(120)], 1, "S", resumable=True)
+    e.run(max_steps=20)
+    sched = e.scheduler
+    assert skipped_ids(e) == [session], "S idles in the skipped queue"
+
+    x = e.add_request(prefix_x + [1] * BS, max_tokens=1)
+    e.fail_next_load(x, valid_blocks=0)
+    e.step()
+    delay["load"] = 30  # L's copy lands long after the scan below
+    load = e.add_request(prefix_l + [2] * (40 * BS), max_tokens=1)
+    e.step()
+    for _ in range(10):
+        if x in e.stats.finished or sched.requests[x].status == RequestStatus.WAITING:
+            break
+        e.step()
+    # The premise: X waits holding nothing between S and the load in flight.
+    assert x not in e.stats.finished, "L's reservation refuses X's reload"
+    assert skipped_ids(e) == [session, x, load]
+    assert sched.requests[x].status == RequestStatus.WAITING
+    assert not sched.kv_cache_manager.get_block_ids(x)[0], "X holds nothing"
+    assert sched.requests[load].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert load not in sched.finished_recving_kv_req_ids, "L is in flight"
+    assert not sched.running
+
+    e.add_request([500 + t for t in range(50 * BS)], 1, session, resumable=True)
+    e.step()
+    assert sched.requests[session].status == RequestStatus.WAITING, "S waits"
+    assert skipped_ids(e) == [session, x, load], (
+        f"the load in flight ({load}) left its place behind {x}, which "
+        f"arrived first: the skipped queue is {skipped_ids(e)}"
+    )
+    assert fcfs_violations("skipped_waiting", list(sched.skipped_waiting)) == []
+
+    delay["load"] = 0
+    for _ in range(100):
+        if sched.requests[session].status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            break
+        e.step()
+    assert load in e.stats.finished
+    e.add_request([0], 1, session)  # S's end
+    e.run(max_steps=100)
+    assert {x, load, session} <= e.stats.finished
+    assert e.queue_violations == [] and e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
