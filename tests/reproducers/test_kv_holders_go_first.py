@@ -21,6 +21,12 @@ from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
+from harness.queue_state import (
+    fcfs_violations,
+    heap_list,
+    is_known_upstream,
+    membership_violations,
+)
 from harness.trace_replay import assert_runs_to_the_end, replay
 
 BS = 16
@@ -360,8 +366,6 @@ def test_a_load_in_flight_keeps_its_place_when_the_scan_stops_in_skipped_waiting
     so the queue stays S, X, L; a pass that took L for a holder queued it
     again ahead of X, which arrived first. Then everything drains. (The
     bare release refuses nothing for L's reservation: X reloads at once.)"""
-    from harness.queue_state import fcfs_violations
-
     delay = {"load": 2}
     e = Engine(
         HarnessConfig(
@@ -426,3 +430,89 @@ def test_a_load_in_flight_keeps_its_place_when_the_scan_stops_in_skipped_waiting
     assert {x, load, session} <= e.stats.finished
     assert e.queue_violations == [] and e.runner.violations == []
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
+
+
+def test_the_request_set_aside_is_the_one_the_scan_stopped_at():
+    """Priority: sessions S and X (priority 0, S older) idle in the
+    skipped_waiting heap, S at its head, and the finished load L
+    (priority 1) holds its prefix behind them. S's next chunk sets its
+    arrival_time in place (the release's own code): S stays at the head
+    though X now sorts first. S's chunk does not fit, with nothing running:
+    the scan stops at S, _take_kv_holders takes L out of skipped_waiting and
+    re-heapifies it, which puts X at the head. S must be the one set aside:
+    popping the head instead drops X from every queue and leaves S queued
+    twice. Then S's chunk and X's next chunk run and everything drains."""
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=44,
+            num_cpu_blocks=256,
+            policy="priority",
+        )
+    )
+    # The session's in-place key change is a known release break the queue
+    # check reports too; the breaks this test is about are asserted below.
+    e.raise_queue_violations = False
+    e.add_request(PREFIX, max_tokens=1)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()  # only the CPU holds it now
+    sched = e.scheduler
+
+    session = e.add_request([100 + t for t in range(3 * BS)], 1, "S", resumable=True)
+    e.run(max_steps=20)
+    other = e.add_request([300 + t for t in range(2 * BS)], 1, "X", resumable=True)
+    e.run(max_steps=20)
+    assert sorted(skipped_ids(e)) == sorted([session, other]), "S and X idle"
+
+    load = e.add_request(PREFIX + [1] * (2 * BS), max_tokens=1, priority=1)
+    e.step()
+    assert sched.kv_cache_manager.get_block_ids(load)[0], (
+        "L should be admitted as an async load, holding its prefix's blocks"
+    )
+    assert load in sched.finished_recving_kv_req_ids, "L's load has landed"
+
+    # S's next chunk: 25 blocks more, which fit only once L has run (on the
+    # series 18 are free while L holds 20, and 38 after).
+    e.add_request([500 + t for t in range(25 * BS)], 1, session, resumable=True)
+    heap = heap_list(sched.skipped_waiting)
+    s_req, x_req = sched.requests[session], sched.requests[other]
+    # The premise: S heads the heap though X now sorts before it.
+    assert heap is not None and heap[0] is s_req
+    assert x_req < s_req, "S's next chunk should have moved its key past X's"
+    assert not sched.running
+    free = e.block_pool.get_num_free_blocks()
+    held = len(sched.kv_cache_manager.get_block_ids(session)[0])
+    assert s_req.num_tokens > (held + free) * BS, "S's chunk should not fit yet"
+
+    e.step()
+    problems = membership_violations(sched)
+    assert problems == [], f"a request queued twice or lost: {problems}"
+    running = [r.request_id for r in sched.running]
+    assert load in e.stats.finished or load in running, (
+        f"L, a holder, should go on past S: running {running}"
+    )
+
+    # S's chunk runs once L is done; X gets its next chunk too.
+    for _ in range(50):
+        if s_req.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            break
+        e.step()
+    assert s_req.status == RequestStatus.WAITING_FOR_STREAMING_REQ, "S's chunk ran"
+    assert s_req.num_computed_tokens >= 28 * BS - 1
+    e.add_request([900 + t for t in range(BS)], 1, other, resumable=True)
+    for _ in range(50):
+        if x_req.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            break
+        e.step()
+    assert x_req.status == RequestStatus.WAITING_FOR_STREAMING_REQ, (
+        f"X's next chunk never ran ({x_req.status.name})"
+    )
+    e.add_request([0], 1, session)  # S's end
+    e.add_request([0], 1, other)  # X's end
+    e.run(max_steps=100)
+    assert load in e.stats.finished
+    assert not sched.requests, f"left unfinished: {list(sched.requests)}"
+    unknown = [p for p in e.queue_violations if not is_known_upstream(p)]
+    assert unknown == [], f"queue violations: {unknown}"
+    assert e.runner.violations == []
+    assert_manager_ok(sched.kv_cache_manager, all_done=True)
