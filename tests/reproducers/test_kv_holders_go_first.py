@@ -432,7 +432,10 @@ def test_a_load_in_flight_keeps_its_place_when_the_scan_stops_in_skipped_waiting
     assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
 
 
-def test_the_request_set_aside_is_the_one_the_scan_stopped_at():
+@pytest.mark.parametrize(
+    "reserve_full_isl", [True, False], ids=["whole-prompt-check", "allocation"]
+)
+def test_the_request_set_aside_is_the_one_the_scan_stopped_at(reserve_full_isl):
     """Priority: sessions S and X (priority 0, S older) idle in the
     skipped_waiting heap, S at its head, and the finished load L
     (priority 1) holds its prefix behind them. S's next chunk sets its
@@ -441,13 +444,19 @@ def test_the_request_set_aside_is_the_one_the_scan_stopped_at():
     the scan stops at S, _take_kv_holders takes L out of skipped_waiting and
     re-heapifies it, which puts X at the head. S must be the one set aside:
     popping the head instead drops X from every queue and leaves S queued
-    twice. Then S's chunk and X's next chunk run and everything drains."""
+    twice. Then S's chunk and X's next chunk run and everything drains.
+    The scan stops at the whole-prompt check at admission, or without it
+    at the allocation's refusal: both set the request aside."""
     e = Engine(
         HarnessConfig(
             block_size=BS,
             num_gpu_blocks=44,
             num_cpu_blocks=256,
             policy="priority",
+            # S's whole chunk in one step: without the whole-prompt check,
+            # the allocation of its first chunk is what is refused.
+            max_num_batched_tokens=1024,
+            reserve_full_isl=reserve_full_isl,
         )
     )
     # The session's in-place key change is a known release break the queue
