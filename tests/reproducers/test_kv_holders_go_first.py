@@ -15,6 +15,7 @@ which upstream closed for good by draining KV holders first).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from vllm.v1.request import RequestStatus
@@ -51,7 +52,9 @@ def first_scheduled(
     return first
 
 
-def engine_with_prefix_on_cpu(load_delay: int, num_gpu_blocks: int = 44) -> Engine:
+def engine_with_prefix_on_cpu(
+    load_delay: int, num_gpu_blocks: int = 44, **overrides: Any
+) -> Engine:
     e = Engine(
         HarnessConfig(
             block_size=BS,
@@ -59,6 +62,7 @@ def engine_with_prefix_on_cpu(load_delay: int, num_gpu_blocks: int = 44) -> Engi
             num_cpu_blocks=256,
             policy="priority",
             transfer_delay=lambda is_store: 0 if is_store else load_delay,
+            **overrides,
         )
     )
     e.add_request(PREFIX, max_tokens=1)
@@ -447,24 +451,14 @@ def test_the_request_set_aside_is_the_one_the_scan_stopped_at(reserve_full_isl):
     twice. Then S's chunk and X's next chunk run and everything drains.
     The scan stops at the whole-prompt check at admission, or without it
     at the allocation's refusal: both set the request aside."""
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=44,
-            num_cpu_blocks=256,
-            policy="priority",
-            # S's whole chunk in one step: without the whole-prompt check,
-            # the allocation of its first chunk is what is refused.
-            max_num_batched_tokens=1024,
-            reserve_full_isl=reserve_full_isl,
-        )
+    # S's whole chunk in one step: without the whole-prompt check, the
+    # allocation of its first chunk is what is refused.
+    e = engine_with_prefix_on_cpu(
+        0, max_num_batched_tokens=1024, reserve_full_isl=reserve_full_isl
     )
     # The session's in-place key change is a known release break the queue
     # check reports too; the breaks this test is about are asserted below.
     e.raise_queue_violations = False
-    e.add_request(PREFIX, max_tokens=1)
-    e.run()
-    assert e.block_pool.reset_prefix_cache()  # only the CPU holds it now
     sched = e.scheduler
 
     session = e.add_request([100 + t for t in range(3 * BS)], 1, "S", resumable=True)
