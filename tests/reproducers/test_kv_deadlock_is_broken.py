@@ -525,3 +525,75 @@ def test_a_session_given_input_while_it_ran_does_not_stall_a_tight_hybrid_pool()
     record = replay(70, "async-mixed", hash_seed=0)
     assert_runs_to_the_end(record)
     assert len(record["completed"]) == 13
+
+
+def test_a_finished_load_the_holders_pass_did_not_reach_keeps_what_it_loaded():
+    """The request the scan stopped at gives its blocks back for a finished
+    load behind it that the holders' pass did not reach (no other holder
+    to free): the load keeps what it loaded. The pass promotes every
+    finished load it takes, so it must stop before this one, at a load that
+    failed whole and is over the budget (chunked prefill off, a 128-token
+    budget: what a drafter's slots leave). A (priority 1) and B (2) load
+    from the CPU, A's load fails whole, session X (0) idles on 8 blocks. A
+    client resets the prefix cache, and X's next input needs 3 blocks more
+    with 1 free: the scan stops at X, the pass at A (136 tokens, no hit),
+    nothing runs and B waits for KV. Kept, X would leave B to be promoted
+    short of 6 blocks and freed, computing again what it loaded.
+    """
+    prefix_a = [7000 + t for t in range(BS)]
+    prefix_b = [8000 + t for t in range(2 * BS)]
+    e = Engine(
+        HarnessConfig(
+            block_size=BS,
+            num_gpu_blocks=13,
+            num_cpu_blocks=64,
+            policy="priority",
+            kv_load_failure_policy="recompute",
+            enable_chunked_prefill=False,
+            max_model_len=256,
+            max_num_batched_tokens=256,
+            transfer_delay=lambda is_store: 0 if is_store else 3,
+        )
+    )
+    # VllmConfig._set_max_num_scheduled_tokens with drafting slots: with
+    # chunked prefill off, a longer prompt runs only on a prefix hit.
+    e.scheduler.max_num_scheduled_tokens = 8 * BS
+    e.add_request(prefix_a, max_tokens=3)
+    e.add_request(prefix_b, max_tokens=3)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()  # only the CPU holds them now
+    a = e.add_request(prefix_a + [1] * 120, 1, "A", priority=1)
+    b = e.add_request(prefix_b + [2] * (6 * BS), 1, "B", priority=2)
+    e.fail_next_load(a)
+    e.step()
+    x = e.add_request([100 + t for t in range(120)], 1, "X", resumable=True)
+    sched = e.scheduler
+    for _ in range(6):
+        e.step()
+        if {a, b} <= sched.finished_recving_kv_req_ids:
+            break
+    else:
+        pytest.fail("A's and B's loads should have finished")
+    assert sched.requests[x].status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    assert computed(e, a) == 0, "A's load should have failed whole"
+    assert e.block_pool.get_num_free_blocks() == 1
+    # The CPU tier's hashes go (the GPU pool, with blocks in use, refuses).
+    assert sched.reset_connector_cache()
+    e.add_request([500 + t for t in range(50)], 1, x, resumable=True)
+    freed = set(e.step().preempted_req_ids or ())
+    status = sched.requests[b].status
+    assert status == RequestStatus.WAITING_FOR_REMOTE_KVS, "the pass passed A"
+    # (From 0.31.0 the series first clears A's failed load, a step later.)
+    e.abort(a)  # A never fits the budget without a hit: its client gives up
+    for _ in range(20):
+        freed |= set(e.step().preempted_req_ids or ())
+        if computed(e, x) > 120:
+            break
+    else:
+        pytest.fail("X's input never ran")
+    assert b in e.stats.finished
+    assert freed == {x}, f"X should give its blocks back, not B: freed {freed}"
+    e.add_request([0], 1, x)  # X's end
+    e.run(max_steps=50)
+    assert e.runner.violations == []
+    assert_manager_ok(e.scheduler.kv_cache_manager, all_done=True)
