@@ -75,6 +75,12 @@ class HarnessConfig:
     # attention group comes after the Mamba group's.
     mamba_block_multiple: int = 1
     mamba_first: bool = False
+    # A ring-buffer group last (vLLM's CircularBufferSpec, from 0.29.0) of
+    # block_size tokens a block, outside prefix caching, as a compressor's
+    # state (DeepSeek-V4.1) or a QSA ring (Qwen4Exp) is: its blocks may be
+    # smaller than the hash block, which only prefix-cacheable groups set.
+    # The fake runner leaves it out of its content checks.
+    ring: bool = False
     # Hash (prefix-match) every this many tokens, finer than the blocks
     # (vLLM's prefix_match_unit, which releases from 0.28.0 take): with a
     # Mamba "align" group, from 0.33.0 a prefix hit may then end inside a
@@ -130,11 +136,11 @@ class HarnessConfig:
 
     def group_kinds(self) -> list[str]:
         """Each KV cache group's kind, in group order: full, then swa, then
-        mamba (or mamba first)."""
+        mamba (or mamba first), then ring."""
         kinds = ["full"] + ["swa"] * self.hybrid
         if self.mamba:
             kinds.insert(0 if self.mamba_first else len(kinds), "mamba")
-        return kinds
+        return kinds + ["ring"] * self.ring
 
     def group_block_sizes(self) -> list[int]:
         """Each KV cache group's block size, in group order."""
@@ -142,6 +148,7 @@ class HarnessConfig:
             "full": self.full_block_multiple,
             "swa": self.swa_block_multiple,
             "mamba": self.mamba_block_multiple,
+            "ring": 1,
         }
         return [self.block_size * multiples[k] for k in self.group_kinds()]
 
@@ -276,6 +283,14 @@ def group_spec(cfg: HarnessConfig, kind: str, size: int) -> Any:
         raise ValueError(f"block size multiple {multiple} must divide {HEAD_SIZE}")
     # Heads as much smaller as the block is larger: the page stays one size.
     attention = {"num_kv_heads": NUM_KV_HEADS, "head_size": HEAD_SIZE // multiple}
+    if kind == "ring":
+        from vllm.v1 import kv_cache_interface
+
+        if not hasattr(kv_cache_interface, "CircularBufferSpec"):
+            raise ValueError("this release has no CircularBufferSpec (a ring group)")
+        return kv_cache_interface.CircularBufferSpec(
+            block_size=size, dtype=DTYPE, **attention
+        )
     if kind == "swa":
         return SlidingWindowSpec(
             block_size=size, dtype=DTYPE, sliding_window=cfg.sliding_window, **attention

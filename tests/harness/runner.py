@@ -141,6 +141,9 @@ class FakeModelRunner:
         self.forward = forward
         self.block_sizes = block_sizes or cfg.group_block_sizes()
         self.kinds = cfg.group_kinds()
+        if cfg.ring:
+            # Per-request scratch that no prefix hit, store or load touches.
+            self.block_sizes = self.block_sizes[:-1]
         self.oracle = ContentOracle(self.block_sizes)
         self.tables: dict[str, list[list[int]]] = {}
         self.violations: list[Violation] = []

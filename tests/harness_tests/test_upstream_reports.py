@@ -31,6 +31,12 @@ from harness.mamba import (
     skip_where_a_load_is_refused,
 )
 from harness.offload_checks import loaded_blocks
+from harness.prefix_match_unit import (
+    PMU_PROMPT,
+    first_chunk_and_loads,
+    pmu_engine,
+    tail_on_a_lazy_cpu_only,
+)
 from harness.sync_load import allocate_with_external_tokens
 
 EXTENSION = list(range(900, 917))
@@ -292,3 +298,71 @@ def test_a_synchronous_external_hit_on_mamba_align_is_counted_one_block_short():
         assert "the count is wrong" in outcomes[first]
     else:
         assert outcomes[first] == "ValueError: Cannot get 1 free blocks from the pool"
+
+
+# --- lead: SimpleCPUOffload with prefix_match_unit ---------------------------
+
+
+def test_an_eager_cpu_hit_inside_an_attention_block():
+    """Eager SimpleCPUOffload hashed every 8 tokens: a 44-token prompt
+    computed (3 output tokens), stored and dropped from the GPU, then the
+    prompt plus 17 tokens. Up to 0.29.0 the CPU tier holds whole blocks
+    only: the hit is 32 tokens (two attention blocks and the Mamba state at
+    32). From 0.30.0 (vllm#54736) the connector also stores, when a request
+    finishes, the attention block holding the prompt's last hash boundary
+    (_find_fa_partial_tail_source), and the hit is 40: three attention
+    blocks and the Mamba state at 40. That block was copied after the
+    first request's decode steps, so it holds 14 tokens at 32-45: the 8
+    the hit covers, then 6 of the first request's own. The fake runner's
+    tag check compares the whole block and reports it, once; no token
+    reads those 6 positions: the step that loads the block computes from
+    40 to the block's end and writes them before its attention reads them,
+    as a GPU runner writes a step's KV before attention, which reads no
+    key past a sequence's length. Harmless: the oracle's strictness."""
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    stores_the_tail = hasattr(SimpleCPUOffloadScheduler, "_find_fa_partial_tail_source")
+    e = pmu_engine()
+    prompt_on_the_cpu_only(e, PMU_PROMPT)
+    req_id = e.add_request(PMU_PROMPT + EXTENSION, max_tokens=2)
+    (step, start, num_new), loaded = first_chunk_and_loads(e, req_id)
+    assert req_id in e.stats.finished
+    assert e.cuda.races == []
+    if not stores_the_tail:
+        assert (start, len(loaded)) == (32, 3)
+        assert e.runner.violations == []
+        return
+    assert (start, len(loaded)) == (40, 4)
+    [v] = e.runner.violations
+    assert (v.step, v.req_id, v.group, v.index) == (step, req_id, 0, 2)
+    kind, group, prev, hit_tokens = v.expected
+    assert kind == "part" and len(hit_tokens) == 8
+    # The same chain before the block and the same 8 tokens, then 6 more.
+    assert v.got[:3] == (kind, group, prev) and v.got[3][:8] == hit_tokens
+    assert len(v.got[3]) == 14
+    assert start + num_new >= 48, "that step writes every position past the hit"
+
+
+def test_a_lazy_cpu_hit_at_a_prompt_tail_inside_a_block():
+    """Ledger row offload-lazy-partial-hit-assert. Lazy SimpleCPUOffload
+    hashed every 8 tokens: the scan copies free cached GPU blocks under
+    their own keys, and the GPU caches the block holding a 44-token
+    prompt's tail under the key at 40. With the prompt on the CPU only, a
+    request that extends it gets a 40-token CPU hit where the lazy CPU
+    coordinator serves hits finer than a block (0.26.0-0.29.0), and
+    update_state_after_alloc asserts it is no multiple of every group's
+    block size: EngineCore dies in schedule(). From 0.30.0, and on the
+    series of 0.26.0-0.29.0 (R14), a lazy tier serves block-aligned hits
+    only: the hit is 32 and loads cleanly."""
+    e = pmu_engine(lazy=True)
+    fine = e.offload.cpu_coordinator.enable_partial_hash_hits
+    tail_on_a_lazy_cpu_only(e)
+    req_id = e.add_request(PMU_PROMPT + EXTENSION, max_tokens=2)
+    if fine:
+        with pytest.raises(AssertionError, match="num_external_tokens=40 not aligned"):
+            e.run()
+        return
+    (_, start, _), loaded = first_chunk_and_loads(e, req_id)
+    assert (start, len(loaded)) == (32, 3)
+    assert req_id in e.stats.finished
+    assert e.runner.violations == [] and e.cuda.races == []

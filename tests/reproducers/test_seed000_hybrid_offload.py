@@ -22,8 +22,14 @@ from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 from harness import end_state
 from harness.engine import Engine, HarnessConfig
+from harness.engine_core import step_as_engine_core
 from harness.invariants import assert_pool_ok, manager_violations, pool_violations
-from harness.offload_checks import cpu_block_of, lost_or_wrong_cpu_blocks, new_request
+from harness.offload_checks import (
+    cpu_block_of,
+    loaded_blocks,
+    lost_or_wrong_cpu_blocks,
+    new_request,
+)
 
 # 52 blocks of 16 tokens, a 48-token window and 256-token chunks: a
 # 445-token request takes 28 full attention blocks plus up to 19 window
@@ -328,3 +334,42 @@ def test_a_group_of_larger_blocks_stores_its_blocks():
     assert loaded > 0, "the CPU holds the prompt in both groups"
     assert e.runner.violations == []
     assert e.stats.finished >= {a, b}
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_ring_group_smaller_than_the_hash_block_is_left_out_of_the_store_scan(
+    lazy,
+):
+    """vllm#56396: a group outside prefix caching (a ring buffer, as
+    DeepSeek-V4.1's compressor state) whose 8-token block is smaller than
+    the 32-token hash block, which only prefix-cacheable groups set. Bare
+    0.30.0's eager store scan views the request's hashes at every group's
+    block size, a view that asserts the hash block divides the block:
+    EngineCore dies in the first request's first schedule(). The 0.29.0
+    series' position check did the same where bare 0.29.0 reads each
+    block's own hash. The scan now leaves such a group out (0.31.0's rule),
+    and the prompt is stored and loaded."""
+    cfg = HarnessConfig(
+        block_size=8,
+        full_block_multiple=4,
+        ring=True,
+        num_gpu_blocks=8,
+        num_cpu_blocks=64,
+        lazy=lazy,
+    )
+    try:
+        e = Engine(cfg)
+    except ValueError as error:
+        if "CircularBufferSpec" not in str(error):
+            raise
+        pytest.skip(str(error))
+    assert (e.block_sizes, e.hash_block_size) == ([32, 8], 32)
+    prompt = list(range(100, 196))  # three hash blocks
+    e.add_request(prompt, max_tokens=3)
+    # A request decoding beside it: lazy stores launch in a step that runs.
+    e.add_request(list(range(500, 508)), max_tokens=8)
+    step_as_engine_core(e)
+    assert e.block_pool.reset_prefix_cache()
+    e.add_request(prompt + list(range(900, 917)), max_tokens=2)
+    assert len(loaded_blocks(e)) == len(prompt) // 32
+    assert e.runner.violations == []
