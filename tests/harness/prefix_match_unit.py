@@ -42,8 +42,9 @@ def tail_on_a_lazy_cpu_only(e: Engine, prompt: list[int] = PMU_PROMPT) -> None:
     launches none (0.29.0)."""
     e.add_request(list(range(2000, 2016)), max_tokens=60)
     e.add_request(prompt, max_tokens=3)
-    boundary = len(prompt) // PMU * PMU
-    tail = new_request(e, prompt).block_hashes[boundary // PMU - 1]
+    hash_size = e.hash_block_size
+    boundary = len(prompt) // hash_size * hash_size
+    tail = new_request(e, prompt).block_hashes[boundary // hash_size - 1]
     cpu = e.offload.cpu_block_pool.cached_block_hash_to_block
     for _ in range(50):
         e.step()
