@@ -82,8 +82,8 @@ class HarnessConfig:
     # The fake runner leaves it out of its content checks.
     ring: bool = False
     # Hash (prefix-match) every this many tokens, finer than the blocks
-    # (vLLM's prefix_match_unit, which releases from 0.28.0 take): with a
-    # Mamba "align" group, from 0.33.0 a prefix hit may then end inside a
+    # (vLLM's prefix_match_unit, which releases from 0.26.0 take): with a
+    # Mamba "align" group, from 0.28.0 a prefix hit may then end inside a
     # block, which the allocation copies on write. None: the block size.
     prefix_match_unit: int | None = None
     offload: bool = True
