@@ -47,13 +47,31 @@ def assert_cpu_pool_free(e: Engine) -> None:
 
 def loaded_blocks(e: Engine, max_steps: int = 1_000) -> set[int]:
     """Run `e` until idle; the GPU blocks the connector loaded into."""
+    return first_chunk_and_loads(e, None, max_steps)[1]
+
+
+def first_chunk_and_loads(
+    e: Engine, req_id: str | None, max_steps: int = 1_000
+) -> tuple[tuple[int, int, int], set[int]]:
+    """Run `e` until idle. Returns (step, computed tokens, scheduled tokens)
+    of the first step that computes tokens of `req_id` (asserted to come,
+    where `req_id` is given), and the GPU blocks the connector loaded
+    into."""
+    first = (-1, -1, 0)
     loaded: set[int] = set()
     for _ in range(max_steps):
         if not e.busy():
-            return loaded
+            assert req_id is None or first[0] >= 0, f"{req_id} never computed"
+            return first, loaded
+        step = e.stats.steps
         so = e.step()
         meta = getattr(so, "kv_connector_metadata", None) if so else None
         loaded |= set(getattr(meta, "load_gpu_blocks", ()) or ())
+        if first[0] < 0 and so is not None and so.num_scheduled_tokens.get(req_id):
+            computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+            c = so.scheduled_cached_reqs
+            computed.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
+            first = (step, computed[req_id], so.num_scheduled_tokens[req_id])
     raise AssertionError(f"still busy after {max_steps} steps")
 
 

@@ -1,7 +1,6 @@
 """A Mamba hybrid hashed finer than its blocks (vLLM's prefix_match_unit):
 the engine, a prompt whose last hash boundary lies inside an attention
-block, that prompt's tail left on a lazy CPU tier only, and where a later
-request's first chunk starts and what the connector loads for it."""
+block, and that prompt's tail left on a lazy CPU tier only."""
 
 from __future__ import annotations
 
@@ -59,27 +58,3 @@ def tail_on_a_lazy_cpu_only(e: Engine, prompt: list[int] = PMU_PROMPT) -> None:
     for block in pool.blocks:
         if block.ref_cnt == 0 and block.block_hash is not None:
             pool._maybe_evict_cached_block(block)
-
-
-def first_chunk_and_loads(
-    e: Engine, req_id: str, max_steps: int = 300
-) -> tuple[tuple[int, int, int], set[int]]:
-    """Run `e` until idle. Returns (step, computed tokens, scheduled tokens)
-    of the first step that computes tokens of `req_id`, and the GPU blocks
-    the connector loaded into."""
-    first = None
-    loaded: set[int] = set()
-    for _ in range(max_steps):
-        if not e.busy():
-            assert first is not None, f"{req_id} never computed"
-            return first, loaded
-        step = e.stats.steps
-        so = e.step()
-        meta = getattr(so, "kv_connector_metadata", None) if so else None
-        loaded |= set(getattr(meta, "load_gpu_blocks", ()) or ())
-        if first is None and so is not None and so.num_scheduled_tokens.get(req_id):
-            computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-            c = so.scheduled_cached_reqs
-            computed.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
-            first = (step, computed[req_id], so.num_scheduled_tokens[req_id])
-    raise AssertionError(f"still busy after {max_steps} steps")

@@ -30,10 +30,9 @@ from harness.mamba import (
     prompt_on_the_cpu_only,
     skip_where_a_load_is_refused,
 )
-from harness.offload_checks import loaded_blocks
+from harness.offload_checks import first_chunk_and_loads, loaded_blocks
 from harness.prefix_match_unit import (
     PMU_PROMPT,
-    first_chunk_and_loads,
     pmu_engine,
     tail_on_a_lazy_cpu_only,
 )

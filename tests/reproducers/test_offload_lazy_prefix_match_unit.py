@@ -22,9 +22,9 @@ import pytest
 
 from harness.config import HarnessConfig, unsupported_layout
 from harness.mamba import mamba_engine
+from harness.offload_checks import first_chunk_and_loads
 from harness.prefix_match_unit import (
     PMU_PROMPT,
-    first_chunk_and_loads,
     pmu_engine,
     tail_on_a_lazy_cpu_only,
 )
