@@ -12,6 +12,7 @@ from harness.mamba import (
     prompt_on_the_cpu_only,
     skip_where_a_load_is_refused,
 )
+from harness.runner import ZEROED, holds_past
 
 PROMPT_A = list(range(100, 700))
 PROMPT_B = list(range(5000, 5600))
@@ -92,6 +93,22 @@ def test_content_check_catches_a_corrupted_cpu_block():
     e = run_three(cfg, corrupt_cpu=True)
     assert e.runner.violations, "loading garbage must be caught by value"
     assert "garbage" in str(e.runner.violations[0])
+
+
+def test_content_check_takes_more_past_a_hit_only_in_an_attention_block():
+    want = ("part", 0, 7, (1, 2, 3))
+    more = ("part", 0, 7, (1, 2, 3, 9, 9))
+    assert holds_past(more, want, "full") and holds_past(more, want, "swa")
+    assert not holds_past(more, want, "mamba"), "a state after more tokens"
+    for got in (
+        ("part", 0, 7, (1, 2, 4, 9)),
+        ("part", 0, 8, (1, 2, 3, 9)),
+        ("part", 0, 7, (1, 2)),
+        ("full", 0, 7),
+        ZEROED,
+        None,
+    ):
+        assert not holds_past(got, want, "full"), got
 
 
 def test_transfers_complete_when_told():

@@ -312,33 +312,25 @@ def test_an_eager_cpu_hit_inside_an_attention_block():
     (_find_fa_partial_tail_source), and the hit is 40: three attention
     blocks and the Mamba state at 40. That block was copied after the
     first request's decode steps, so it holds 14 tokens at 32-45: the 8
-    the hit covers, then 6 of the first request's own. The fake runner's
-    tag check compares the whole block and reports it, once; no token
-    reads those 6 positions: the step that loads the block computes from
-    40 to the block's end and writes them before its attention reads them,
-    as a GPU runner writes a step's KV before attention, which reads no
-    key past a sequence's length. Harmless: the oracle's strictness."""
+    the hit covers, then 6 of the first request's own. No token reads those
+    6 positions: the step that loads the block computes from 40 to the
+    block's end and writes them before its attention reads them, as a GPU
+    runner writes a step's KV before attention, which reads no key past a
+    sequence's length. Harmless; the fake runner's content check accepts
+    an attention block that holds more than a step reads (holds_past)."""
     from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
     stores_the_tail = hasattr(SimpleCPUOffloadScheduler, "_find_fa_partial_tail_source")
     e = pmu_engine()
     prompt_on_the_cpu_only(e, PMU_PROMPT)
     req_id = e.add_request(PMU_PROMPT + EXTENSION, max_tokens=2)
-    (step, start, num_new), loaded = first_chunk_and_loads(e, req_id)
+    (_, start, num_new), loaded = first_chunk_and_loads(e, req_id)
     assert req_id in e.stats.finished
-    assert e.cuda.races == []
+    assert e.cuda.races == [] and e.runner.violations == []
     if not stores_the_tail:
         assert (start, len(loaded)) == (32, 3)
-        assert e.runner.violations == []
         return
     assert (start, len(loaded)) == (40, 4)
-    [v] = e.runner.violations
-    assert (v.step, v.req_id, v.group, v.index) == (step, req_id, 0, 2)
-    kind, group, prev, hit_tokens = v.expected
-    assert kind == "part" and len(hit_tokens) == 8
-    # The same chain before the block and the same 8 tokens, then 6 more.
-    assert v.got[:3] == (kind, group, prev) and v.got[3][:8] == hit_tokens
-    assert len(v.got[3]) == 14
     assert start + num_new >= 48, "that step writes every position past the hit"
 
 
