@@ -70,6 +70,20 @@ def attention_evicted_past_the_mamba_state(
         e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
 
 
+def mamba_state_evicted_under_the_attention(e: Engine, prompt: list[int]) -> None:
+    """Compute `prompt`, then evict its Mamba state blocks from the GPU
+    prefix cache, as block pressure can, while its attention blocks stay
+    cached: for a request that extends `prompt` full attention hits deeper
+    than the Mamba group."""
+    req_id = e.add_request(prompt, max_tokens=3)
+    e.step()
+    # Read while the request holds its blocks: group 1 is the Mamba group.
+    mamba_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)[1]
+    e.run()
+    for block_id in mamba_ids:
+        e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
+
+
 def attention_blocks(e: Engine, req_id: str) -> set[int]:
     """The request's blocks in the groups whose new blocks are zeroed (not
     the Mamba group's)."""

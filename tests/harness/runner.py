@@ -222,6 +222,11 @@ class FakeModelRunner:
         req_ids, sampled = [], []
         reads: list[int] = []
         writes: dict[int, Any] = {}
+        # Who reads or writes each block this step, and who writes it (with
+        # its group and index): a block one request writes is that
+        # request's alone within the step.
+        users: dict[int, set[str]] = {}
+        writers: dict[int, tuple[str, int, int]] = {}
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.requests[req_id]
             c = computed[req_id]
@@ -234,6 +239,7 @@ class FakeModelRunner:
                     got = None
                     if bid != NULL_BLOCK_ID:
                         reads.append(bid)
+                        users.setdefault(bid, set()).add(req_id)
                         # What an earlier request of this step wrote, or the
                         # cache's KV.
                         got = writes.get(bid, self.kv.gpu.get(bid))
@@ -251,15 +257,44 @@ class FakeModelRunner:
                         writes[bid] = self.oracle.tag(
                             req, g, i, min(bs, c + n - i * bs)
                         )
+                        users.setdefault(bid, set()).add(req_id)
+                        writers.setdefault(bid, (req_id, g, i))
             req_ids.append(req_id)
             done_prefill = c + n >= req.num_tokens
             sampled.append([sampled_token(req_id, c + n)] if done_prefill else [])
+        self._check_writes_unshared(step, users, writers)
         self.forward(f"the forward of step {step}", reads, writes)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
+
+    def _check_writes_unshared(
+        self,
+        step: int,
+        users: dict[int, set[str]],
+        writers: dict[int, tuple[str, int, int]],
+    ) -> None:
+        """A block that one request writes in a step and another reads or
+        writes in the same step: on a GPU every write of the batch lands
+        before attention reads, so the other request sees KV that is not
+        its own, though the per-request check, which reads in the order of
+        the batch, may have seen the block before the write (a block shared
+        without its copy on write, read by its owner's last step)."""
+        for bid, (writer, group, index) in writers.items():
+            if others := users[bid] - {writer}:
+                self.violations.append(
+                    Violation(
+                        step,
+                        writer,
+                        group,
+                        index,
+                        bid,
+                        ("written by", writer, "alone"),
+                        ("also used by", tuple(sorted(others))),
+                    )
+                )
 
 
 def make_offload_worker(

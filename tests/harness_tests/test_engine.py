@@ -111,6 +111,21 @@ def test_content_check_takes_more_past_a_hit_only_in_an_attention_block():
         assert not holds_past(got, want, "full"), got
 
 
+def test_content_check_catches_a_block_two_requests_write_in_one_step():
+    """Two requests' last blocks made one (as a block shared without its
+    copy on write): each step writes it for both, which the per-step check
+    names, whatever the order of the batch."""
+    e = Engine(HarnessConfig(offload=False, num_gpu_blocks=64))
+    first = e.add_request(list(range(100, 120)), max_tokens=4)
+    second = e.add_request(list(range(500, 520)), max_tokens=4)
+    e.step()
+    tables = e.runner.tables
+    tables[second][0][-1] = tables[first][0][-1]
+    e.step()
+    shared = [v for v in e.runner.violations if v.got[0] == "also used by"]
+    assert shared and shared[0].got[1] in ((first,), (second,))
+
+
 def test_transfers_complete_when_told():
     cfg = HarnessConfig(
         num_gpu_blocks=64, num_cpu_blocks=64, transfer_delay=lambda is_store: 5

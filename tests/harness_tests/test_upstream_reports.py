@@ -16,11 +16,13 @@ the test.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import pytest
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.request import Request
 
+from harness import runner
 from harness.engine import Engine, HarnessConfig
 from harness.engine_core import held_gpu_blocks, offload_engine, step_as_engine_core
 from harness.mamba import (
@@ -183,9 +185,7 @@ def test_a_lazy_engine_kept_stepping_for_its_stores():
     from vllm.v1.simple_kv_offload import manager as manager_module
 
     # The connector's own answer: up to 0.29.0 the base class's (False).
-    hook = vars(connector_module.SimpleCPUOffloadConnector).get(
-        "has_pending_push_work"
-    )
+    hook = vars(connector_module.SimpleCPUOffloadConnector).get("has_pending_push_work")
     lazy_kept_alive = hook is not None and "_lazy_mode" not in inspect.getsource(hook)
     loops = lazy_kept_alive and not source_has(
         manager_module, "def _stepping_only_for_stores"
@@ -303,7 +303,7 @@ def test_a_synchronous_external_hit_on_mamba_align_is_counted_one_block_short():
 # --- lead: SimpleCPUOffload with prefix_match_unit ---------------------------
 
 
-def test_an_eager_cpu_hit_inside_an_attention_block():
+def test_an_eager_cpu_hit_inside_an_attention_block(monkeypatch):
     """Eager SimpleCPUOffload hashed every 8 tokens: a 44-token prompt
     computed (3 output tokens), stored and dropped from the GPU, then the
     prompt plus 17 tokens. Up to 0.29.0 the CPU tier holds whole blocks
@@ -322,6 +322,17 @@ def test_an_eager_cpu_hit_inside_an_attention_block():
     from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
 
     stores_the_tail = hasattr(SimpleCPUOffloadScheduler, "_find_fa_partial_tail_source")
+    # The blocks the content check took holding more than a step reads.
+    taken: list[tuple[Any, Any]] = []
+    check = runner.holds_past
+
+    def holds_past(got: Any, want: Any, kind: str) -> bool:
+        held = check(got, want, kind)
+        if held:
+            taken.append((got, want))
+        return held
+
+    monkeypatch.setattr(runner, "holds_past", holds_past)
     e = pmu_engine()
     prompt_on_the_cpu_only(e, PMU_PROMPT)
     req_id = e.add_request(PMU_PROMPT + EXTENSION, max_tokens=2)
@@ -330,9 +341,13 @@ def test_an_eager_cpu_hit_inside_an_attention_block():
     assert e.cuda.races == [] and e.runner.violations == []
     if not stores_the_tail:
         assert (start, len(loaded)) == (32, 3)
+        assert taken == []
         return
     assert (start, len(loaded)) == (40, 4)
     assert start + num_new >= 48, "that step writes every position past the hit"
+    # Block #2: the hit's 8 tokens, then 6 of the first request's own.
+    [(got, want)] = taken
+    assert (len(want[3]), len(got[3])) == (8, 14)
 
 
 def test_a_lazy_cpu_hit_at_a_prompt_tail_inside_a_block():

@@ -1,5 +1,5 @@
-"""Reproducer: a Mamba hybrid with a KV connector never skips tokens whose
-attention KV is gone.
+"""Reproducers: a Mamba hybrid with a KV connector never skips tokens whose
+attention KV is gone, nor starts where it has no Mamba state.
 
 With a connector on a Mamba hybrid the scheduler looks up each KV cache
 group's prefix hit on its own, and 0.24.0-0.26.0 tell the connector the
@@ -12,13 +12,24 @@ it holds), nobody computes the evicted blocks' tokens, and the request
 attends to attention blocks that hold zeros, with no error
 (vllm-project/vllm#46453, fixed by #48425 in 0.27.0). The fake model
 runner checks the content of every block a step reads.
+
+The other direction: block pressure evicts a prompt's Mamba state block
+while its attention blocks stay cached. 0.24.0-0.26.0 (with 0013 as
+without it) take full attention's hit, and where the connector loads
+nothing past it (SimpleCPUOffload holds nothing there), the request starts
+at that hit reading a Mamba state no block holds: wrong output, no error.
+0.27.0 falls back to the hit every group holds (#48425's
+get_computed_blocks_for_connector).
 """
 
 from __future__ import annotations
 
+import pytest
+
 from harness.mamba import (
     attention_evicted_past_the_mamba_state,
     mamba_engine,
+    mamba_state_evicted_under_the_attention,
     skip_where_a_load_is_refused,
 )
 
@@ -34,3 +45,16 @@ def test_a_prompt_whose_last_attention_blocks_were_evicted_is_not_skipped():
         e.run()
     read_wrong = "\n".join(str(v) for v in e.runner.violations)
     assert not read_wrong, f"the extension read blocks nobody wrote:\n{read_wrong}"
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_prompt_whose_mamba_state_was_evicted_starts_where_a_state_is(lazy):
+    e = mamba_engine("align", lazy=lazy)
+    prompt = list(range(100, 164))  # four blocks of 16
+    mamba_state_evicted_under_the_attention(e, prompt)
+    req_id = e.add_request(prompt + list(range(900, 917)), max_tokens=2)
+    with skip_where_a_load_is_refused("align"):
+        e.run()
+    read_wrong = "\n".join(str(v) for v in e.runner.violations)
+    assert not read_wrong, f"the extension read a state nobody wrote:\n{read_wrong}"
+    assert req_id in e.stats.finished
