@@ -70,17 +70,24 @@ def attention_evicted_past_the_mamba_state(
         e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
 
 
-def mamba_state_evicted_under_the_attention(e: Engine, prompt: list[int]) -> None:
-    """Compute `prompt`, then evict its Mamba state blocks from the GPU
-    prefix cache, as block pressure can, while its attention blocks stay
-    cached: for a request that extends `prompt` full attention hits deeper
-    than the Mamba group."""
+def mamba_state_evicted_under_the_attention(
+    e: Engine, prompt: list[int], attention_kept: int | None = None
+) -> None:
+    """Compute `prompt` (the connector stores it to the CPU), then evict its
+    Mamba state blocks from the GPU prefix cache, as block pressure can,
+    while its attention blocks (the first `attention_kept`, default all)
+    stay cached: for a request that extends `prompt` full attention hits
+    deeper than the Mamba group."""
     req_id = e.add_request(prompt, max_tokens=3)
     e.step()
-    # Read while the request holds its blocks: group 1 is the Mamba group.
-    mamba_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)[1]
+    # Read while the request holds its blocks: group 0 is full attention,
+    # group 1 the Mamba group.
+    attention_ids, mamba_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)
     e.run()
-    for block_id in mamba_ids:
+    evicted = list(mamba_ids)
+    if attention_kept is not None:
+        evicted += attention_ids[attention_kept:]
+    for block_id in evicted:
         e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
 
 

@@ -32,6 +32,7 @@ from harness.mamba import (
     mamba_state_evicted_under_the_attention,
     skip_where_a_load_is_refused,
 )
+from harness.offload_checks import first_chunk_and_loads
 
 
 def test_a_prompt_whose_last_attention_blocks_were_evicted_is_not_skipped():
@@ -49,12 +50,38 @@ def test_a_prompt_whose_last_attention_blocks_were_evicted_is_not_skipped():
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 def test_a_prompt_whose_mamba_state_was_evicted_starts_where_a_state_is(lazy):
-    e = mamba_engine("align", lazy=lazy)
+    e = mamba_engine("align", lazy=lazy, log_stats=True)
     prompt = list(range(100, 164))  # four blocks of 16
     mamba_state_evicted_under_the_attention(e, prompt)
+    stats = e.scheduler.kv_cache_manager.prefix_cache_stats
+    before = (stats.requests, stats.hits)
     req_id = e.add_request(prompt + list(range(900, 917)), max_tokens=2)
     with skip_where_a_load_is_refused("align"):
+        e.step()
+        # Its local lookup is recorded once, with the hit it took (none).
+        recorded = (stats.requests - before[0], stats.hits - before[1])
         e.run()
     read_wrong = "\n".join(str(v) for v in e.runner.violations)
     assert not read_wrong, f"the extension read a state nobody wrote:\n{read_wrong}"
     assert req_id in e.stats.finished
+    assert recorded == (1, 0)
+
+
+def test_a_load_past_the_attention_hit_brings_the_state():
+    """The hits diverge (full attention 64, Mamba none) and the CPU holds
+    the prompt past full attention's hit: the connector loads 64-80 and the
+    Mamba state at 80, and the request starts there, as on every release
+    from 0.24.0 (a fallback to the common hit whatever the connector
+    found would read blocks loaded for another start). Eager mode: its
+    stores hold the whole prompt on the CPU."""
+    e = mamba_engine("align")
+    prompt = list(range(100, 180))  # five blocks of 16
+    mamba_state_evicted_under_the_attention(e, prompt, attention_kept=4)
+    req_id = e.add_request(prompt + list(range(900, 917)), max_tokens=2)
+    with skip_where_a_load_is_refused("align"):
+        (_, start, _), _ = first_chunk_and_loads(e, req_id)
+    read_wrong = "\n".join(str(v) for v in e.runner.violations)
+    assert not read_wrong, f"the extension read blocks nobody wrote:\n{read_wrong}"
+    assert req_id in e.stats.finished
+    # Only a load of 64-80 with its state starts the request at 80.
+    assert start == 80
