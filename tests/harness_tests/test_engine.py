@@ -111,10 +111,12 @@ def test_content_check_takes_more_past_a_hit_only_in_an_attention_block():
         assert not holds_past(got, want, "full"), got
 
 
-def test_content_check_catches_a_block_two_requests_write_in_one_step():
-    """Two requests' last blocks made one (as a block shared without its
-    copy on write): each step writes it for both, which the per-step check
-    names, whatever the order of the batch."""
+def test_content_check_reads_what_the_whole_batch_wrote():
+    """One request's last block given to another too (as a block shared
+    without its copy on write): in a step where both write it, each reads
+    the other's tokens there, whatever the batch order, as a GPU writes the
+    whole batch's KV before attention reads it. The first in the batch was
+    missed while reads saw only earlier requests' writes."""
     e = Engine(HarnessConfig(offload=False, num_gpu_blocks=64))
     first = e.add_request(list(range(100, 120)), max_tokens=4)
     second = e.add_request(list(range(500, 520)), max_tokens=4)
@@ -122,8 +124,7 @@ def test_content_check_catches_a_block_two_requests_write_in_one_step():
     tables = e.runner.tables
     tables[second][0][-1] = tables[first][0][-1]
     e.step()
-    shared = [v for v in e.runner.violations if v.got[0] == "also used by"]
-    assert shared and shared[0].got[1] in ((first,), (second,))
+    assert {v.req_id for v in e.runner.violations} == {first, second}
 
 
 def test_transfers_complete_when_told():
