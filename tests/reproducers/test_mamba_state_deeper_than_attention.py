@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.engine import Engine, HarnessConfig
 from harness.mamba import (
     attention_evicted_past_the_mamba_state,
     mamba_engine,
@@ -85,3 +86,31 @@ def test_a_load_past_the_attention_hit_brings_the_state():
     assert req_id in e.stats.finished
     # Only a load of 64-80 with its state starts the request at 80.
     assert start == 80
+
+
+def _recorded(e: Engine, prompt: list[int]) -> tuple[int, int, int]:
+    """Add a request extending `prompt`, take one step: the prefix-cache
+    statistics it adds (requests, hits, preempted requests)."""
+    stats = e.scheduler.kv_cache_manager.prefix_cache_stats
+    before = (stats.requests, stats.hits, stats.preempted_requests)
+    e.add_request(prompt + list(range(900, 917)), max_tokens=2)
+    e.step()
+    after = (stats.requests, stats.hits, stats.preempted_requests)
+    return tuple(a - b for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize("layout", ["attention-only", "diverged-load"])
+def test_each_local_lookup_is_recorded_once(layout):
+    """The prefix-cache statistics count a request's local lookup once,
+    with the hit it keeps: full attention's where the connector loads past
+    it on diverged hits, and the plain lookup's without a Mamba group."""
+    prompt = list(range(100, 180))  # five blocks of 16
+    if layout == "attention-only":
+        e = Engine(HarnessConfig(log_stats=True))
+        e.add_request(prompt, max_tokens=3)
+        e.run()
+    else:
+        e = mamba_engine("align", log_stats=True)
+        mamba_state_evicted_under_the_attention(e, prompt, attention_kept=4)
+    with skip_where_a_load_is_refused("align"):
+        assert _recorded(e, prompt) == (1, 80 if layout == "attention-only" else 64, 0)
