@@ -53,42 +53,42 @@ def prompt_on_the_cpu_only(
     assert e.block_pool.reset_prefix_cache()
 
 
+def _cached_blocks_evicted(
+    e: Engine, prompt: list[int], kept: tuple[int | None, int | None]
+) -> None:
+    """Compute `prompt` (the connector stores it to the CPU), then evict from
+    the GPU prefix cache its blocks of group 0 (full attention) and group 1
+    (the Mamba group) past the first `kept[g]` (None: keep them all), as
+    block pressure can."""
+    req_id = e.add_request(prompt, max_tokens=3)
+    e.step()
+    # Read while the request holds its blocks.
+    block_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)
+    e.run()
+    for ids, keep in zip(block_ids, kept, strict=True):
+        if keep is None:
+            continue
+        for block_id in ids[keep:]:
+            e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
+
+
 def attention_evicted_past_the_mamba_state(
     e: Engine, prompt: list[int], kept_blocks: int
 ) -> None:
-    """Compute `prompt` (the connector stores it to the CPU), then evict its
-    attention blocks after the first `kept_blocks` from the GPU prefix cache,
-    as block pressure can, while its Mamba state block stays cached: for a
-    request that extends `prompt` the Mamba group hits deeper than full
-    attention."""
-    req_id = e.add_request(prompt, max_tokens=3)
-    e.step()
-    # Read while the request holds its blocks: group 0 is full attention.
-    attention_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-    e.run()
-    for block_id in attention_ids[kept_blocks:]:
-        e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
+    """`prompt` computed, its attention blocks after the first `kept_blocks`
+    evicted while its Mamba state block stays cached: for a request that
+    extends `prompt` the Mamba group hits deeper than full attention."""
+    _cached_blocks_evicted(e, prompt, (kept_blocks, None))
 
 
 def mamba_state_evicted_under_the_attention(
     e: Engine, prompt: list[int], attention_kept: int | None = None
 ) -> None:
-    """Compute `prompt` (the connector stores it to the CPU), then evict its
-    Mamba state blocks from the GPU prefix cache, as block pressure can,
-    while its attention blocks (the first `attention_kept`, default all)
-    stay cached: for a request that extends `prompt` full attention hits
-    deeper than the Mamba group."""
-    req_id = e.add_request(prompt, max_tokens=3)
-    e.step()
-    # Read while the request holds its blocks: group 0 is full attention,
-    # group 1 the Mamba group.
-    attention_ids, mamba_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)
-    e.run()
-    evicted = list(mamba_ids)
-    if attention_kept is not None:
-        evicted += attention_ids[attention_kept:]
-    for block_id in evicted:
-        e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
+    """`prompt` computed, its Mamba state blocks evicted while its attention
+    blocks (the first `attention_kept`, default all) stay cached: for a
+    request that extends `prompt` full attention hits deeper than the Mamba
+    group."""
+    _cached_blocks_evicted(e, prompt, (attention_kept, 0))
 
 
 def attention_blocks(e: Engine, req_id: str) -> set[int]:

@@ -35,12 +35,26 @@ from harness.mamba import (
 )
 from harness.offload_checks import first_chunk_and_loads
 
+EXTENSION = list(range(900, 917))
+
+
+def _extended_and_recorded(e: Engine, prompt: list[int]) -> tuple[str, tuple]:
+    """Add a request extending `prompt` and take one step: the request, and
+    the prefix-cache statistics the step added (requests, hits, preempted
+    requests)."""
+    stats = e.scheduler.kv_cache_manager.prefix_cache_stats
+    before = (stats.requests, stats.hits, stats.preempted_requests)
+    req_id = e.add_request(prompt + EXTENSION, max_tokens=2)
+    e.step()
+    after = (stats.requests, stats.hits, stats.preempted_requests)
+    return req_id, tuple(a - b for a, b in zip(after, before, strict=True))
+
 
 def test_a_prompt_whose_last_attention_blocks_were_evicted_is_not_skipped():
     e = mamba_engine("align")
     prompt = list(range(100, 164))  # four blocks of 16
     attention_evicted_past_the_mamba_state(e, prompt, kept_blocks=2)
-    e.add_request(prompt + list(range(900, 917)), max_tokens=2)
+    e.add_request(prompt + EXTENSION, max_tokens=2)
     # 0.19.0-0.22.1 refuse a connector's load with an align group (ledger
     # row mamba-align-external-hit-assert): a skip.
     with skip_where_a_load_is_refused("align"):
@@ -54,18 +68,14 @@ def test_a_prompt_whose_mamba_state_was_evicted_starts_where_a_state_is(lazy):
     e = mamba_engine("align", lazy=lazy, log_stats=True)
     prompt = list(range(100, 164))  # four blocks of 16
     mamba_state_evicted_under_the_attention(e, prompt)
-    stats = e.scheduler.kv_cache_manager.prefix_cache_stats
-    before = (stats.requests, stats.hits)
-    req_id = e.add_request(prompt + list(range(900, 917)), max_tokens=2)
     with skip_where_a_load_is_refused("align"):
-        e.step()
-        # Its local lookup is recorded once, with the hit it took (none).
-        recorded = (stats.requests - before[0], stats.hits - before[1])
+        req_id, recorded = _extended_and_recorded(e, prompt)
         e.run()
     read_wrong = "\n".join(str(v) for v in e.runner.violations)
     assert not read_wrong, f"the extension read a state nobody wrote:\n{read_wrong}"
     assert req_id in e.stats.finished
-    assert recorded == (1, 0)
+    # Its local lookup is recorded once, with the hit it took (none).
+    assert recorded == (1, 0, 0)
 
 
 def test_a_load_past_the_attention_hit_brings_the_state():
@@ -78,7 +88,7 @@ def test_a_load_past_the_attention_hit_brings_the_state():
     e = mamba_engine("align")
     prompt = list(range(100, 180))  # five blocks of 16
     mamba_state_evicted_under_the_attention(e, prompt, attention_kept=4)
-    req_id = e.add_request(prompt + list(range(900, 917)), max_tokens=2)
+    req_id = e.add_request(prompt + EXTENSION, max_tokens=2)
     with skip_where_a_load_is_refused("align"):
         (_, start, _), _ = first_chunk_and_loads(e, req_id)
     read_wrong = "\n".join(str(v) for v in e.runner.violations)
@@ -86,17 +96,6 @@ def test_a_load_past_the_attention_hit_brings_the_state():
     assert req_id in e.stats.finished
     # Only a load of 64-80 with its state starts the request at 80.
     assert start == 80
-
-
-def _recorded(e: Engine, prompt: list[int]) -> tuple[int, int, int]:
-    """Add a request extending `prompt`, take one step: the prefix-cache
-    statistics it adds (requests, hits, preempted requests)."""
-    stats = e.scheduler.kv_cache_manager.prefix_cache_stats
-    before = (stats.requests, stats.hits, stats.preempted_requests)
-    e.add_request(prompt + list(range(900, 917)), max_tokens=2)
-    e.step()
-    after = (stats.requests, stats.hits, stats.preempted_requests)
-    return tuple(a - b for a, b in zip(after, before, strict=True))
 
 
 @pytest.mark.parametrize("layout", ["attention-only", "diverged-load"])
@@ -113,4 +112,5 @@ def test_each_local_lookup_is_recorded_once(layout):
         e = mamba_engine("align", log_stats=True)
         mamba_state_evicted_under_the_attention(e, prompt, attention_kept=4)
     with skip_where_a_load_is_refused("align"):
-        assert _recorded(e, prompt) == (1, 80 if layout == "attention-only" else 64, 0)
+        _, recorded = _extended_and_recorded(e, prompt)
+    assert recorded == (1, 80 if layout == "attention-only" else 64, 0)
