@@ -214,13 +214,16 @@ class Engine:
         resumable: bool = False,
         priority: int = 0,
         stop_at: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> str:
         """Add a request. `resumable` makes a streaming-input session: it
         waits for its next chunk, keeping its KV, when it stops; a later call
         with the same `req_id` sends that chunk, as the engine does.
         `stop_at`: the request stops on the token it samples at this
         position (a stop token: under async scheduling its next step is
-        already launched when the scheduler learns it is done)."""
+        already launched when the scheduler learns it is done).
+        `prompt_logprobs`: the request asks for them, which marks it to skip
+        reading the prefix cache (every prompt token must be computed)."""
         req_id = req_id or f"r{next(self._ids)}"
         req = Request(
             request_id=req_id,
@@ -229,6 +232,7 @@ class Engine:
                 max_tokens=max_tokens,
                 ignore_eos=True,
                 stop_token_ids=[sampled_token(req_id, stop_at)] if stop_at else None,
+                prompt_logprobs=prompt_logprobs,
             ),
             pooling_params=None,
             block_hasher=self.block_hasher,
