@@ -1,6 +1,7 @@
 """What must hold once an engine has nothing left to do: every block of
-every KV cache group back in the pool, and no request state left behind in
-the scheduler, the connector or the workers.
+every KV cache group back in the pool, no CPU block still referenced, and
+no request state left behind in the scheduler, the connector or the
+workers.
 
 Checked at the end of every Engine.run() that leaves no request in the
 scheduler (harness.engine), so every test and trace that drains its
@@ -57,6 +58,17 @@ def leftover_request_state(obj: Any, finished: set[str], label: str) -> list[str
     return out
 
 
+def held_cpu_blocks(offload: Any) -> list[str]:
+    """CPU blocks still referenced once every transfer completed and every
+    request left: a pin no load or finish released (a lookup that pinned a
+    hit for a request that then loads nothing) holds its blocks forever."""
+    pool = offload.cpu_block_pool
+    held = [b.block_id for b in pool.blocks if b.ref_cnt and b is not pool.null_block]
+    if not held:
+        return []
+    return [f"CPU blocks {held[:5]} still referenced ({len(held)} in all)"]
+
+
 def end_state_violations(engine: Any) -> list[str]:
     """What is wrong once every request of `engine` is done."""
     scheduler = engine.scheduler
@@ -74,6 +86,7 @@ def end_state_violations(engine: Any) -> list[str]:
     offload = engine.offload
     if offload is not None:
         out += leftover_request_state(offload, finished, "connector")
+        out += held_cpu_blocks(offload)
     # The workers learn of a finished request from the next step's
     # finished_req_ids: an engine that stops stepping before it tells them
     # leaves that request's state (block table, input batch row) behind.

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -214,7 +215,9 @@ class Engine:
         resumable: bool = False,
         priority: int = 0,
         stop_at: int | None = None,
-        prompt_logprobs: int | None = None,
+        sampling: dict[str, Any] | None = None,
+        lora: tuple[str, str] | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Add a request. `resumable` makes a streaming-input session: it
         waits for its next chunk, keeping its KV, when it stops; a later call
@@ -222,8 +225,10 @@ class Engine:
         `stop_at`: the request stops on the token it samples at this
         position (a stop token: under async scheduling its next step is
         already launched when the scheduler learns it is done).
-        `prompt_logprobs`: the request asks for them, which marks it to skip
-        reading the prefix cache (every prompt token must be computed)."""
+        `sampling`: more SamplingParams (prompt_logprobs, for one, marks the
+        request to skip reading the prefix cache). `lora`: the adapter's
+        name and path (the fake model runs no adapter). `cache_salt`: the
+        request's salt, which keys its first block apart."""
         req_id = req_id or f"r{next(self._ids)}"
         req = Request(
             request_id=req_id,
@@ -232,11 +237,13 @@ class Engine:
                 max_tokens=max_tokens,
                 ignore_eos=True,
                 stop_token_ids=[sampled_token(req_id, stop_at)] if stop_at else None,
-                prompt_logprobs=prompt_logprobs,
+                **(sampling or {}),
             ),
             pooling_params=None,
             block_hasher=self.block_hasher,
             priority=priority,
+            lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None,
+            cache_salt=cache_salt,
             # Passed only when set: releases before streaming input lack it.
             **({"resumable": True} if resumable else {}),
         )
