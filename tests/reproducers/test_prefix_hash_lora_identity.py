@@ -54,3 +54,13 @@ def test_an_adapter_loaded_again_from_another_path_reads_none_of_the_old_kv(tier
 def test_a_cache_salt_reads_no_kv_of_an_adapter_of_its_name():
     e = _computed_under(ADAPTER, on_the_cpu_only=False)
     assert _start(e, cache_salt=ADAPTER[0]) == 0
+
+
+def test_an_adapter_s_requests_keep_their_cache_salts_apart():
+    """The adapter's key joins the block's other keys, never replaces them:
+    two tenants' salts keep the same adapter's KV apart (every release)."""
+    e = Engine(HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32))
+    e.add_request(PROMPT, max_tokens=3, lora=ADAPTER, cache_salt="tenant-a")
+    e.run()
+    assert _start(e, lora=ADAPTER, cache_salt="tenant-b") == 0
+    assert _start(e, lora=ADAPTER, cache_salt="tenant-a") == len(PROMPT)
