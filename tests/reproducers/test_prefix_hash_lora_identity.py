@@ -25,11 +25,13 @@ ADAPTER = ("X", "/adapters/x-v1")
 ADAPTER_RELOADED = ("X", "/adapters/x-v2")
 
 
-def _computed_under(adapter: tuple[str, str], on_the_cpu_only: bool) -> Engine:
+def _computed_under(
+    adapter: tuple[str, str], on_the_cpu_only: bool, cache_salt: str | None = None
+) -> Engine:
     """An engine whose prefix cache holds PROMPT computed under `adapter`
-    (on the CPU tier only where asked)."""
+    (with `cache_salt`; on the CPU tier only where asked)."""
     e = Engine(HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32))
-    e.add_request(PROMPT, max_tokens=3, lora=adapter)
+    e.add_request(PROMPT, max_tokens=3, lora=adapter, cache_salt=cache_salt)
     e.run()
     if on_the_cpu_only:
         assert e.block_pool.reset_prefix_cache()
@@ -59,8 +61,6 @@ def test_a_cache_salt_reads_no_kv_of_an_adapter_of_its_name():
 def test_an_adapter_s_requests_keep_their_cache_salts_apart():
     """The adapter's key joins the block's other keys, never replaces them:
     two tenants' salts keep the same adapter's KV apart (every release)."""
-    e = Engine(HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32))
-    e.add_request(PROMPT, max_tokens=3, lora=ADAPTER, cache_salt="tenant-a")
-    e.run()
+    e = _computed_under(ADAPTER, on_the_cpu_only=False, cache_salt="tenant-a")
     assert _start(e, lora=ADAPTER, cache_salt="tenant-b") == 0
     assert _start(e, lora=ADAPTER, cache_salt="tenant-a") == len(PROMPT)
