@@ -62,6 +62,7 @@ def first_chunk_and_loads(
     for _ in range(max_steps):
         if not e.busy():
             assert req_id is None or first[0] >= 0, f"{req_id} never computed"
+            e.run()  # no step left: the end-of-run checks, as any run ends
             return first, loaded
         step = e.stats.steps
         so = e.step()
