@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +40,10 @@ RELAXED = {
     "certifi": "certifi",
 }
 DEFAULT_TORCH = "torch==2.13.0"
+# What a new test environment takes on disk, measured (2026-12-07): 2.7 GB
+# (triton, which xgrammar requires, 1.0 GB; torch 0.75 GB), plus pip's
+# unpacking. A fresh clone's `make test` builds two (.venv and 0.33.0's).
+ENV_BYTES = 3_500_000_000
 # What vLLM's pyproject.toml asks of a build, minus cmake/ninja (no kernels
 # are compiled here: VLLM_TARGET_DEVICE=empty or VLLM_USE_PRECOMPILED=1).
 # setup.py imports setuptools-rust from 0.24.0 on (its Rust extensions are
@@ -91,6 +96,24 @@ def _stamp_ok(venv: Path, level: str, reqs: list[str]) -> tuple[Path, str, bool]
     return stamp, digest, stamp.exists() and stamp.read_text() == digest
 
 
+def free_bytes(path: Path) -> int:
+    """Free bytes on the file system that holds `path` (or its nearest
+    existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def disk_full_message(venv: Path, need: int) -> str:
+    free = free_bytes(venv)
+    return (
+        f"only {free / 1e9:.1f} GB free on the disk that holds {rel(venv)}; "
+        f"a test environment takes about {need / 1e9:.1f} GB. Free space "
+        "(`make clean` removes .work/: its trees, logs and the releases' "
+        f"environments, {rel(RELEASE_VENVS)}), then run the same command again."
+    )
+
+
 def pip_install(venv: Path, args: list[str]) -> None:
     proc = run(
         [
@@ -107,9 +130,17 @@ def pip_install(venv: Path, args: list[str]) -> None:
         check=False,
     )
     if proc.returncode != 0:
+        if free_bytes(venv) < 500_000_000:
+            # pip's own line ("[Errno 28] No space left on device") is buried
+            # under its warnings; say it, and what to remove.
+            raise ForkError(
+                f"pip install into {rel(venv)} failed: the disk is full; "
+                + disk_full_message(venv, ENV_BYTES)
+            )
         raise ForkError(
             f"pip install into {rel(venv)} failed (exit {proc.returncode}); "
-            "the output above says which package. Remove .venv to start over."
+            f"the output above says which package. Remove {rel(venv)} to "
+            "start over."
         )
 
 
@@ -148,6 +179,12 @@ def ensure_venv(
     stamp, digest, ok = _stamp_ok(venv, level, reqs)
     if ok:
         return python(venv)
+    # Checked before pip starts: a disk that fills half-way leaves an
+    # environment without its stamp (reinstalled next time, nothing lost),
+    # but only after minutes and a message pip buries under its warnings.
+    need = ENV_BYTES if level == "test" else ENV_BYTES // 2
+    if free_bytes(venv) < need and not python(venv).exists():
+        raise ForkError(disk_full_message(venv, need))
     if not python(venv).exists():
         step(f"creating {rel(venv)} ({sys.executable})")
         # -I: not scripts/lib/venv.py, whatever the current directory.
