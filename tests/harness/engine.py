@@ -218,6 +218,7 @@ class Engine:
         sampling: dict[str, Any] | None = None,
         lora: tuple[str, str] | None = None,
         cache_salt: str | None = None,
+        embeds: tuple[Any, list[bool]] | None = None,
     ) -> str:
         """Add a request. `resumable` makes a streaming-input session: it
         waits for its next chunk, keeping its KV, when it stops; a later call
@@ -228,7 +229,10 @@ class Engine:
         `sampling`: more SamplingParams (prompt_logprobs, for one, marks the
         request to skip reading the prefix cache). `lora`: the adapter's
         name and path (the fake model runs no adapter). `cache_salt`: the
-        request's salt, which keys its first block apart."""
+        request's salt, which keys its first block apart. `embeds`: a
+        mixed prompt (0.21.0 on), its embeddings tensor (one row a token)
+        and its mask, True where the token id is the input, False where
+        the tensor's row is (the fake model reads neither)."""
         req_id = req_id or f"r{next(self._ids)}"
         req = Request(
             request_id=req_id,
@@ -244,8 +248,14 @@ class Engine:
             priority=priority,
             lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None,
             cache_salt=cache_salt,
-            # Passed only when set: releases before streaming input lack it.
+            # Passed only when set: releases before streaming input lack it,
+            # and those before 0.21.0 mixed prompts.
             **({"resumable": True} if resumable else {}),
+            **(
+                {"prompt_embeds": embeds[0], "prompt_is_token_ids": embeds[1]}
+                if embeds
+                else {}
+            ),
         )
         # A session's next chunk updates the request already there.
         self.requests.setdefault(req_id, req)

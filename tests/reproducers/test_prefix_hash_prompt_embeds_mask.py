@@ -1,0 +1,97 @@
+"""Reproducers: a block's hash tells a position given as a token id from
+one given as an embedding (ledger row prefix-hash-prompt-embeds-mask).
+
+From 0.21.0 a prompt may mix token ids and embeddings (a chat message
+with prompt_embeds parts): the request carries the embeddings tensor, one
+row per position, and a mask, `prompt_is_token_ids`, that says which
+source the model reads at each position. A block's hash takes its token
+ids and a digest of its rows of the tensor, not the mask. Two prompts
+with the same token ids and the same tensor, one reading a position's
+row and the other its token id, then share block hashes, and the prefix
+cache (and SimpleCPUOffload's CPU tier, keyed by the same hashes) serves
+one the KV the other's inputs computed, with no error (vllm#56655; no
+fix merged upstream by 0.33.0). From 0.29.0 the request zeroes the token
+id of a position read from the tensor, so a prompt that sends token id 0
+there collides; before, the placeholder id the prompt carries does. The
+fake model reads neither source, so the check is where the request's
+first chunk starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from vllm.v1.request import Request
+
+from harness.engine import Engine, HarnessConfig
+from harness.offload_checks import first_chunk_and_loads
+
+# Three blocks of 16: the first two read from the tensor in the prompt
+# computed first, the third from its token ids.
+TOKENS = [0] * 32 + list(range(100, 116))
+ROWS = torch.arange(len(TOKENS) * 8, dtype=torch.float32).reshape(len(TOKENS), 8)
+COMPUTED = [False] * 32 + [True] * 16
+EXTENSION = list(range(900, 917))
+
+
+@pytest.fixture(autouse=True)
+def _mixed_prompts():
+    if "prompt_is_token_ids" not in inspect.signature(Request).parameters:
+        pytest.skip("this release takes no mixed prompts (from 0.21.0)")
+
+
+def _computed(on_the_cpu_only: bool) -> Engine:
+    """An engine whose prefix cache holds the prompt read as COMPUTED says
+    (on the CPU tier only where asked)."""
+    e = Engine(HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32))
+    e.add_request(TOKENS, max_tokens=3, embeds=(ROWS, COMPUTED))
+    e.run()
+    if on_the_cpu_only:
+        assert e.block_pool.reset_prefix_cache()
+    return e
+
+
+def _start(e: Engine, mask: list[bool]) -> int:
+    """Where a request of the same token ids and rows, read as `mask` says
+    and then 17 token ids of its own, starts computing."""
+    rows = torch.cat([ROWS, torch.zeros(len(EXTENSION), ROWS.shape[1])])
+    req_id = e.add_request(
+        TOKENS + EXTENSION,
+        max_tokens=2,
+        embeds=(rows, mask + [True] * len(EXTENSION)),
+    )
+    (_, start, _), _ = first_chunk_and_loads(e, req_id)
+    assert req_id in e.stats.finished
+    return start
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu"])
+def test_token_ids_read_no_kv_computed_from_embeddings(tier):
+    e = _computed(on_the_cpu_only=tier == "cpu")
+    assert _start(e, [True] * len(TOKENS)) == 0
+
+
+def test_embeddings_read_no_kv_computed_from_token_ids():
+    """The first two blocks read the same rows in both prompts: they hit.
+    The third reads the tensor here and token ids in the cached prompt:
+    0.21.0-0.28.0 hit it too (its placeholder ids are the cached token
+    ids), 0.29.0 on do not (they zero a tensor position's id)."""
+    e = _computed(on_the_cpu_only=False)
+    assert _start(e, [False] * len(TOKENS)) == 32
+
+
+def test_a_block_that_reads_one_position_from_its_token_id_ends_the_hit():
+    """The first block reads the tensor in both prompts and hits; the
+    second reads one position from its token id here, the tensor at every
+    position in the cached prompt: no later block is read."""
+    e = _computed(on_the_cpu_only=False)
+    assert _start(e, [False] * 16 + [True] + [False] * 15 + [True] * 16) == 16
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu"])
+def test_a_mixed_prompt_reads_its_own_kv(tier):
+    """The same prompt read the same way hits every block (every release)."""
+    e = _computed(on_the_cpu_only=tier == "cpu")
+    assert _start(e, COMPUTED) == len(TOKENS)
