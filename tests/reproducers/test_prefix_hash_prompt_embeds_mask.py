@@ -42,11 +42,11 @@ def _mixed_prompts():
         pytest.skip("this release takes no mixed prompts (from 0.21.0)")
 
 
-def _computed(on_the_cpu_only: bool) -> Engine:
-    """An engine whose prefix cache holds the prompt read as COMPUTED says
+def _computed(on_the_cpu_only: bool, mask: list[bool] = COMPUTED) -> Engine:
+    """An engine whose prefix cache holds the prompt read as `mask` says
     (on the CPU tier only where asked)."""
     e = Engine(HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32))
-    e.add_request(TOKENS, max_tokens=3, embeds=(ROWS, COMPUTED))
+    e.add_request(TOKENS, max_tokens=3, embeds=(ROWS, mask))
     e.run()
     if on_the_cpu_only:
         assert e.block_pool.reset_prefix_cache()
@@ -88,6 +88,13 @@ def test_a_block_that_reads_one_position_from_its_token_id_ends_the_hit():
     position in the cached prompt: no later block is read."""
     e = _computed(on_the_cpu_only=False)
     assert _start(e, [False] * 16 + [True] + [False] * 15 + [True] * 16) == 16
+
+
+def test_as_many_token_ids_in_other_places_read_none_of_the_kv():
+    """Both prompts read one position of the first block from its token id,
+    each another one: the block is another input."""
+    e = _computed(on_the_cpu_only=False, mask=[True] + [False] * 31 + [True] * 16)
+    assert _start(e, [False, True] + [False] * 30 + [True] * 16) == 0
 
 
 @pytest.mark.parametrize("tier", ["gpu", "cpu"])
