@@ -104,11 +104,11 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def disk_full_message(venv: Path, need: int) -> str:
+def disk_full_message(venv: Path, need: int, level: str = "test") -> str:
     free = free_bytes(venv)
     return (
         f"only {free / 1e9:.1f} GB free on the disk that holds {rel(venv)}; "
-        f"a test environment takes about {need / 1e9:.1f} GB. Free space "
+        f"a {level} environment takes about {need / 1e9:.1f} GB. Free space "
         "(`make clean` removes .work/: its trees, logs and the releases' "
         f"environments, {rel(RELEASE_VENVS)}), then run the same command again."
     )
@@ -184,7 +184,7 @@ def ensure_venv(
     # but only after minutes and a message pip buries under its warnings.
     need = ENV_BYTES if level == "test" else ENV_BYTES // 2
     if free_bytes(venv) < need and not python(venv).exists():
-        raise ForkError(disk_full_message(venv, need))
+        raise ForkError(disk_full_message(venv, need, level))
     if not python(venv).exists():
         step(f"creating {rel(venv)} ({sys.executable})")
         # -I: not scripts/lib/venv.py, whatever the current directory.
