@@ -53,10 +53,10 @@ def _computed(on_the_cpu_only: bool, mask: list[bool] = COMPUTED) -> Engine:
     return e
 
 
-def _start(e: Engine, mask: list[bool]) -> int:
-    """Where a request of the same token ids and rows, read as `mask` says
-    and then 17 token ids of its own, starts computing."""
-    rows = torch.cat([ROWS, torch.zeros(len(EXTENSION), ROWS.shape[1])])
+def _start(e: Engine, mask: list[bool], rows: torch.Tensor = ROWS) -> int:
+    """Where a request of the same token ids and `rows`, read as `mask`
+    says and then 17 token ids of its own, starts computing."""
+    rows = torch.cat([rows, torch.zeros(len(EXTENSION), rows.shape[1])])
     req_id = e.add_request(
         TOKENS + EXTENSION,
         max_tokens=2,
@@ -95,6 +95,18 @@ def test_as_many_token_ids_in_other_places_read_none_of_the_kv():
     each another one: the block is another input."""
     e = _computed(on_the_cpu_only=False, mask=[True] + [False] * 31 + [True] * 16)
     assert _start(e, [False, True] + [False] * 30 + [True] * 16) == 0
+
+
+def test_a_mixed_block_read_from_other_rows_is_another_input():
+    """The second block reads one position from its token id and the rest
+    from the tensor, in both prompts; one of those rows differs. Every
+    release tells them apart by the rows; the fix must keep them in its
+    digest (every release)."""
+    mask = [False] * 16 + [True] + [False] * 15 + [True] * 16
+    e = _computed(on_the_cpu_only=False, mask=mask)
+    other_row = ROWS.clone()
+    other_row[20] += 1
+    assert _start(e, mask, rows=other_row) == 16
 
 
 @pytest.mark.parametrize("tier", ["gpu", "cpu"])
