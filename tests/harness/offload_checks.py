@@ -17,7 +17,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.request import Request
 
-from harness.engine import Engine
+from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_pool_ok
 from harness.runner import ContentOracle
 
@@ -43,6 +43,30 @@ def assert_cpu_pool_free(e: Engine) -> None:
         label="CPU pool",
         hashed_means_cached=False,
     )
+
+
+def engine_with_cached_prompt(
+    prompt: list[int], on_the_cpu_only: bool, **request: Any
+) -> Engine:
+    """An engine (32 GPU blocks, a CPU tier of 32) whose prefix cache holds
+    `prompt`, computed as `request` says (add_request's keywords), and on
+    the CPU tier only where asked: the block-hash identity reproducers'
+    scene, where a later request must not read what this one computed."""
+    e = Engine(HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32))
+    e.add_request(prompt, max_tokens=3, **request)
+    e.run()
+    if on_the_cpu_only:
+        assert e.block_pool.reset_prefix_cache()
+    return e
+
+
+def start_of(e: Engine, prompt: list[int], **request: Any) -> int:
+    """Where a request of `prompt` (as `request` says) starts computing:
+    the tokens it read from a cache. It runs to its end, checked."""
+    req_id = e.add_request(prompt, max_tokens=2, **request)
+    (_, start, _), _ = first_chunk_and_loads(e, req_id)
+    assert req_id in e.stats.finished
+    return start
 
 
 def loaded_blocks(e: Engine, max_steps: int = 1_000) -> set[int]:

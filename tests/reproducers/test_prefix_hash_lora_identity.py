@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.engine import Engine, HarnessConfig
-from harness.offload_checks import first_chunk_and_loads
+from harness.engine import Engine
+from harness.offload_checks import engine_with_cached_prompt, start_of
 
 PROMPT = list(range(100, 148))  # three blocks of 16
 EXTENSION = list(range(900, 917))
@@ -30,19 +30,13 @@ def _computed_under(
 ) -> Engine:
     """An engine whose prefix cache holds PROMPT computed under `adapter`
     (with `cache_salt`; on the CPU tier only where asked)."""
-    e = Engine(HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32))
-    e.add_request(PROMPT, max_tokens=3, lora=adapter, cache_salt=cache_salt)
-    e.run()
-    if on_the_cpu_only:
-        assert e.block_pool.reset_prefix_cache()
-    return e
+    return engine_with_cached_prompt(
+        PROMPT, on_the_cpu_only, lora=adapter, cache_salt=cache_salt
+    )
 
 
 def _start(e: Engine, **request: object) -> int:
-    req_id = e.add_request(PROMPT + EXTENSION, max_tokens=2, **request)
-    (_, start, _), _ = first_chunk_and_loads(e, req_id)
-    assert req_id in e.stats.finished
-    return start
+    return start_of(e, PROMPT + EXTENSION, **request)
 
 
 @pytest.mark.parametrize("tier", ["gpu", "cpu"])

@@ -25,8 +25,8 @@ import pytest
 import torch
 from vllm.v1.request import Request
 
-from harness.engine import Engine, HarnessConfig
-from harness.offload_checks import first_chunk_and_loads
+from harness.engine import Engine
+from harness.offload_checks import engine_with_cached_prompt, start_of
 
 # Three blocks of 16: the first two read from the tensor in the prompt
 # computed first, the third from its token ids.
@@ -45,26 +45,15 @@ def _mixed_prompts():
 def _computed(on_the_cpu_only: bool, mask: list[bool] = COMPUTED) -> Engine:
     """An engine whose prefix cache holds the prompt read as `mask` says
     (on the CPU tier only where asked)."""
-    e = Engine(HarnessConfig(num_gpu_blocks=32, num_cpu_blocks=32))
-    e.add_request(TOKENS, max_tokens=3, embeds=(ROWS, mask))
-    e.run()
-    if on_the_cpu_only:
-        assert e.block_pool.reset_prefix_cache()
-    return e
+    return engine_with_cached_prompt(TOKENS, on_the_cpu_only, embeds=(ROWS, mask))
 
 
 def _start(e: Engine, mask: list[bool], rows: torch.Tensor = ROWS) -> int:
     """Where a request of the same token ids and `rows`, read as `mask`
     says and then 17 token ids of its own, starts computing."""
     rows = torch.cat([rows, torch.zeros(len(EXTENSION), rows.shape[1])])
-    req_id = e.add_request(
-        TOKENS + EXTENSION,
-        max_tokens=2,
-        embeds=(rows, mask + [True] * len(EXTENSION)),
-    )
-    (_, start, _), _ = first_chunk_and_loads(e, req_id)
-    assert req_id in e.stats.finished
-    return start
+    embeds = (rows, mask + [True] * len(EXTENSION))
+    return start_of(e, TOKENS + EXTENSION, embeds=embeds)
 
 
 @pytest.mark.parametrize("tier", ["gpu", "cpu"])
