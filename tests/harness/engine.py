@@ -53,7 +53,9 @@ from typing import Any
 
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.utils.hashing import sha256
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -80,6 +82,18 @@ from harness.runner import (
 )
 
 __all__ = ["Engine", "HarnessConfig", "StepStats"]
+
+
+def mm_feature(identifier: str, offset: int, length: int) -> MultiModalFeatureSpec:
+    """A multimodal item of a prompt: what the block hasher keys a block on
+    (its content hash and its placeholders' positions), with no encoder
+    input behind it."""
+    return MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset=offset, length=length),
+    )
 
 
 @dataclass
@@ -219,6 +233,7 @@ class Engine:
         lora: tuple[str, str] | None = None,
         cache_salt: str | None = None,
         embeds: tuple[Any, list[bool]] | None = None,
+        mm: list[tuple[str, int, int]] | None = None,
     ) -> str:
         """Add a request. `resumable` makes a streaming-input session: it
         waits for its next chunk, keeping its KV, when it stops; a later call
@@ -232,8 +247,13 @@ class Engine:
         request's salt, which keys its first block apart. `embeds`: a
         mixed prompt (0.21.0 on), its embeddings tensor (one row a token)
         and its mask, True where the token id is the input, False where
-        the tensor's row is (the fake model reads neither)."""
+        the tensor's row is (the fake model reads neither). `mm`: the
+        prompt's multimodal items, each (its content hash, its first
+        placeholder position in `prompt`, its placeholder count); the fake
+        model runs no encoder, so the scheduler is given a budget for them."""
         req_id = req_id or f"r{next(self._ids)}"
+        if mm:
+            self._serve_encoder_inputs()
         req = Request(
             request_id=req_id,
             prompt_token_ids=list(prompt),
@@ -248,6 +268,7 @@ class Engine:
             priority=priority,
             lora_request=LoRARequest(lora[0], 1, lora[1]) if lora else None,
             cache_salt=cache_salt,
+            mm_features=[mm_feature(*item) for item in mm or ()] or None,
             # Passed only when set: releases before streaming input lack it,
             # and those before 0.21.0 mixed prompts.
             **({"resumable": True} if resumable else {}),
@@ -261,6 +282,15 @@ class Engine:
         self.requests.setdefault(req_id, req)
         self.scheduler.add_request(req)
         return req_id
+
+    def _serve_encoder_inputs(self) -> None:
+        """Give the scheduler an encoder budget and cache, as it has for a
+        multimodal model: it sizes both from the model's processor, and the
+        harness's model has none, so every item would wait for ever."""
+        if self.scheduler.max_num_encoder_input_tokens == 0:
+            size = self.vllm_config.scheduler_config.max_num_batched_tokens
+            self.scheduler.max_num_encoder_input_tokens = size
+            self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=size)
 
     def fail_next_load(self, req_id: str, valid_blocks: int = 0) -> None:
         """The next load of `req_id` fails: when it completes, the worker

@@ -69,6 +69,17 @@ def start_of(e: Engine, prompt: list[int], **request: Any) -> int:
     return start
 
 
+def fresh_block_hashes(e: Engine, request: Request) -> list[Any]:
+    """The block hashes of the request's tokens now, computed afresh: what
+    its hashes, kept up as tokens came, must equal."""
+    saved = request.block_hashes
+    request.block_hashes = []
+    try:
+        return list(e.block_hasher(request))
+    finally:
+        request.block_hashes = saved
+
+
 def loaded_blocks(e: Engine, max_steps: int = 1_000) -> set[int]:
     """Run `e` until idle; the GPU blocks the connector loaded into."""
     return first_chunk_and_loads(e, None, max_steps)[1]
@@ -93,11 +104,18 @@ def first_chunk_and_loads(
         meta = getattr(so, "kv_connector_metadata", None) if so else None
         loaded |= set(getattr(meta, "load_gpu_blocks", ()) or ())
         if first[0] < 0 and so is not None and so.num_scheduled_tokens.get(req_id):
-            computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-            c = so.scheduled_cached_reqs
-            computed.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
-            first = (step, computed[req_id], so.num_scheduled_tokens[req_id])
+            computed = computed_tokens_scheduled(so)[req_id]
+            first = (step, computed, so.num_scheduled_tokens[req_id])
     raise AssertionError(f"still busy after {max_steps} steps")
+
+
+def computed_tokens_scheduled(so: Any) -> dict[str, int]:
+    """Each request a scheduler output schedules: the tokens it had
+    computed (for a request new or resumed this step, its prefix hits)."""
+    computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    c = so.scheduled_cached_reqs
+    computed.update(zip(c.req_ids, c.num_computed_tokens, strict=True))
+    return computed
 
 
 def group_block_hashes(e: Engine, req: Request, group: int) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 
 from harness.engine import Engine, HarnessConfig
+from harness.offload_checks import fresh_block_hashes
 
 BS = 16
 # Far above the tokens the fake runner samples, so the chunk's first token
@@ -59,14 +60,5 @@ def test_a_session_chunk_never_leaves_a_stale_block_hash(layout: str):
     e.add_request(prompt + [discarded] + list(range(700, 700 + BS)), max_tokens=1)
     e.run()
     assert e.runner.violations == []
-    assert session.block_hashes == fresh_hashes(e.block_hasher, session)
+    assert session.block_hashes == fresh_block_hashes(e, session)
 
-
-def fresh_hashes(hasher, request) -> list:
-    """The hashes the request's tokens have now, computed afresh."""
-    saved = request.block_hashes
-    request.block_hashes = []
-    try:
-        return list(hasher(request))
-    finally:
-        request.block_hashes = saved
