@@ -383,6 +383,17 @@ class Engine:
                 if o.finish_reason is not None:
                     self.stats.finished.add(o.request_id)
 
+    def step_until_waiting_for_input(self, req_id: str, max_steps: int = 20) -> None:
+        """Step until streaming session `req_id` has ended its turn and waits
+        for its next chunk (keeping its KV); fail if it does not within
+        `max_steps`."""
+        session = self.scheduler.requests[req_id]
+        for _ in range(max_steps):
+            self.step()
+            if session.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                return
+        raise AssertionError(f"{req_id} never waited for input: {session.status}")
+
     def busy(self) -> bool:
         """Requests in flight, steps whose output is not processed, or
         offload transfers not yet completed."""

@@ -52,15 +52,6 @@ def preempting_engine() -> Engine:
     return e
 
 
-def step_until_session_waits(e: Engine, max_steps: int = 100) -> None:
-    session = e.scheduler.requests["S"]
-    for _ in range(max_steps):
-        e.step()
-        if session.status.name == "WAITING_FOR_STREAMING_REQ":
-            return
-    raise AssertionError(f"S never waited for input: {session.status}")
-
-
 def end_session_and_drain(e: Engine) -> None:
     e.add_request([0], 1, "S")  # a request that is not resumable ends it
     e.run(max_steps=100)
@@ -70,7 +61,7 @@ def end_session_and_drain(e: Engine) -> None:
 def test_a_session_stopped_while_preempted_keeps_its_context():
     e = preempting_engine()
     session = e.scheduler.requests["S"]
-    step_until_session_waits(e)
+    e.step_until_waiting_for_input("S", max_steps=100)
     # The premise: preempted, and stopped by the output in flight.
     assert e.stats.preemptions == 1
     assert session.num_computed_tokens < session.num_tokens - 1
@@ -79,7 +70,7 @@ def test_a_session_stopped_while_preempted_keeps_its_context():
     # The prompt and the chunk; the token sampled last is dropped.
     assert list(session.all_token_ids) == PROMPT + CHUNK
     assert session.num_prompt_tokens == len(PROMPT + CHUNK)
-    step_until_session_waits(e)
+    e.step_until_waiting_for_input("S", max_steps=100)
     position = len(PROMPT + CHUNK)
     assert list(session.all_token_ids[:position]) == PROMPT + CHUNK
     assert session.output_token_ids[0] == sampled_token("S", position)
@@ -103,6 +94,6 @@ def test_a_session_given_its_next_chunk_while_preempted_runs_it():
         e.step()
     e.step()  # the output in flight: it ends S's chunk and applies the next
     e.abort("A")
-    step_until_session_waits(e)
+    e.step_until_waiting_for_input("S", max_steps=100)
     assert list(session.all_token_ids[: len(PROMPT + CHUNK)]) == PROMPT + CHUNK
     end_session_and_drain(e)

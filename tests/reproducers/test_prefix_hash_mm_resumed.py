@@ -42,12 +42,7 @@ def images(first: str) -> list[tuple[str, int, int]]:
 def first_chunk(e: Engine, req_id: str) -> None:
     """Session `req_id` computes TEXT and samples a token, then waits."""
     e.add_request(TEXT, 1, req_id, resumable=True)
-    session = e.scheduler.requests[req_id]
-    for _ in range(20):
-        e.step()
-        if session.status.name == "WAITING_FOR_STREAMING_REQ":
-            return
-    raise AssertionError(f"{req_id} never waited for its next chunk")
+    e.step_until_waiting_for_input(req_id)
 
 
 def second_chunk(e: Engine, req_id: str, first_image: str) -> None:

@@ -61,4 +61,3 @@ def test_a_session_chunk_never_leaves_a_stale_block_hash(layout: str):
     e.run()
     assert e.runner.violations == []
     assert session.block_hashes == fresh_block_hashes(e, session)
-

@@ -123,12 +123,7 @@ def test_a_chunk_given_while_the_session_ran_starts_its_turn_with_its_own_token(
     # holds back nothing but its own output.
     so = e.step()
     assert so is not None and "s" in so.num_scheduled_tokens
-    for _ in range(20):
-        e.step()
-        if session.status.name == "WAITING_FOR_STREAMING_REQ":
-            break
-    else:
-        raise AssertionError(f"s never waited for input: {session.status}")
+    e.step_until_waiting_for_input("s")
     # Its max_tokens (4), and nothing left in flight on its counters.
     assert_the_next_turn_is_the_sessions(session, 4)
     assert session.num_output_placeholders == 0
