@@ -181,8 +181,11 @@ class Verdict:
 
 
 def junit_failure_texts(path: Path) -> dict[str, str]:
-    """Test id -> the traceback pytest wrote for its failure."""
-    texts = {}
+    """Test id -> the traceback pytest wrote for its failure; none where
+    pytest wrote no report (it was killed), as read_junit_details reads it."""
+    texts: dict[str, str] = {}
+    if not path.exists():
+        return texts
     for case in ET.parse(path).getroot().iter("testcase"):
         for child in case:
             if child.tag == "failure":

@@ -74,3 +74,21 @@ def test_verdicts(tmp_path):
         "not run",
         "tests/reproducers/test_missing.py does not exist",
     )
+
+
+def test_a_run_killed_before_its_report_is_not_run(tmp_path):
+    """A pytest stopped before it wrote its report (an interrupt, the OOM
+    killer): every test is "not run", pointing at the log, no traceback."""
+    write(tmp_path, {f"tests/reproducers/{k}": v for k, v in TESTS.items()})
+    test_id = "tests/reproducers/test_pool.py::test_bug"
+    v = reproducer_verdicts(
+        Path(sys.executable),
+        tmp_path / "tree",
+        [test_id],
+        tmp_path,
+        tmp_path / "junit.xml",
+        tmp_path / "log.txt",
+        pytest=lambda *args: -9,
+    )
+    assert v[test_id].state == "not run"
+    assert "log.txt" in v[test_id].message
