@@ -188,7 +188,9 @@ def try_one(
     before = target.read_text()
     git(worktree, "apply", "-R", str(patch_file))
     try:
-        if code_of(before) == code_of(target.read_text()):
+        # Reverting the hunk of a file the patch adds deletes the file.
+        after = target.read_text() if target.exists() else ""
+        if code_of(before) == code_of(after):
             return Outcome(hunk, "equivalent", "comments or docstrings only")
         state, detail = run_suite(worktree, python, tests, series_dir, baseline)
         return Outcome(hunk, state, detail)

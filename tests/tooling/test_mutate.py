@@ -139,3 +139,28 @@ def test_a_claim_that_names_a_release_holds_on_that_release_only():
     assert claim_holds_on("0.20.2: nothing calls it", "upstream/v0.20.2")
     assert not claim_holds_on("0.20.2: nothing calls it", "upstream/v0.33.0")
     assert claim_holds_on("no release named", "upstream/v0.33.0")
+
+
+def test_reverting_a_file_the_patch_adds_runs_the_suite(tmp_path, monkeypatch):
+    """A patch's new module is one hunk: reverted, the file is gone. The
+    mutant is run (its importers fail), and the file comes back after."""
+    repo = tmp_path / "tree"
+    (repo / "vllm").mkdir(parents=True)
+    (repo / "vllm" / "m.py").write_text("a = 1\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "Import upstream")
+    git(repo, "update-ref", "refs/remotes/upstream/v1", "HEAD")
+    added = repo / "vllm" / "new.py"
+    added.write_text("def f():\n    return 1\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "[Core] a patch with a new module")
+    (hunk,) = hunks_of(repo, "upstream/v1")
+    ran = []
+    monkeypatch.setattr(
+        mutate, "run_suite", lambda *args: ran.append(added.exists()) or ("killed", "")
+    )
+    outcome = mutate.try_one(hunk, repo, repo / "python", [], repo)
+    assert outcome.state == "killed"
+    assert ran == [False], "the suite ran with the file reverted away"
+    assert added.read_text() == "def f():\n    return 1\n"
