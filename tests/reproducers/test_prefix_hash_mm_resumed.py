@@ -108,8 +108,11 @@ def test_a_preempted_session_resumes_from_no_other_sessions_image():
     b = e.scheduler.requests["B"]
     # B's chunk comes when R's next step needs no new block and the step
     # after it does.
-    while decoding.num_computed_tokens % BS != BS - 1:
+    for _ in range(BS):
+        if decoding.num_computed_tokens % BS == BS - 1:
+            break
         e.step()
+    assert decoding.num_computed_tokens % BS == BS - 1, "R decodes a token a step"
     second_chunk(e, "B", "y")
     e.step()
     assert b.num_computed_tokens == 2 * BS, "B computed its chunk's first block"
