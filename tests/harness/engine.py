@@ -60,7 +60,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 from vllm.v1.structured_output import StructuredOutputManager
@@ -176,7 +176,7 @@ class Engine:
         self._ids = itertools.count()
         # Requests whose next CPU->GPU load fails, each with how many of its
         # first blocks stay valid (see fail_next_load).
-        self._failing_loads: dict[str, int] = {}
+        self._failing_loads: dict[str, int | None] = {}
         self._guard_block_counts()
         if self.cfg.check_reservations:
             reservation_check.install(self.scheduler)
@@ -292,7 +292,9 @@ class Engine:
             self.scheduler.max_num_encoder_input_tokens = size
             self.scheduler.encoder_cache_manager = EncoderCacheManager(cache_size=size)
 
-    def fail_next_load(self, req_id: str, valid_blocks: int = 0) -> None:
+    def fail_next_load(
+        self, req_id: str, valid_blocks: int = 0, by_request: bool = False
+    ) -> None:
         """The next load of `req_id` fails: when it completes, the worker
         reports the request's blocks from its `valid_blocks`-th on as
         invalid (as a connector does through get_block_ids_with_load_errors)
@@ -304,18 +306,34 @@ class Engine:
         scheduler keeps them: it truncates the request's computed tokens to
         the first invalid block and prefills the rest. Counted in each KV
         cache group's own blocks (the releases refuse block-level failures
-        with more than one group, or read them per group)."""
-        self._failing_loads[req_id] = valid_blocks
+        with more than one group, or read them per group).
 
-    def _failed_load_blocks(self, recving: set[str] | None) -> set[int]:
+        `by_request`: the worker names the request instead of its blocks
+        (KVConnectorOutput.failed_recving, 0.30.0 on, as Mooncake's connector
+        reports a failed transfer), and the whole load is lost."""
+        if (
+            by_request
+            and "failed_recving" not in KVConnectorOutput.__dataclass_fields__
+        ):
+            raise NotImplementedError(
+                "this release's KVConnectorOutput has no failed_recving"
+            )
+        self._failing_loads[req_id] = None if by_request else valid_blocks
+
+    def _failed_loads(self, recving: set[str] | None) -> tuple[set[int], set[str]]:
+        """The blocks, and the requests, whose load failed this step."""
         invalid: set[int] = set()
+        failed: set[str] = set()
         for req_id in sorted(self._failing_loads.keys() & set(recving or ())):
             valid_blocks = self._failing_loads.pop(req_id)
+            if valid_blocks is None:
+                failed.add(req_id)
             for ids in self.scheduler.kv_cache_manager.get_block_ids(req_id):
-                for block_id in ids[valid_blocks:]:
-                    invalid.add(block_id)
+                for block_id in ids[valid_blocks or 0 :]:
+                    if valid_blocks is not None:
+                        invalid.add(block_id)
                     self.kv.gpu.pop(block_id, None)
-        return invalid
+        return invalid, failed
 
     def abort(self, req_id: str) -> None:
         self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
@@ -368,7 +386,7 @@ class Engine:
             self.cuda,
             so,
             self.stats.steps,
-            self._failed_load_blocks,
+            self._failed_loads,
             host_sync=host_sync,
         )
         self.stats.steps += 1

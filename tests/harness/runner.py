@@ -305,12 +305,15 @@ def worker_step(
     cuda: FakeCuda,
     so: SchedulerOutput,
     step: int,
-    failed_loads: Callable[[set[str] | None], set[int]] = lambda recving: set(),
+    failed_loads: Callable[
+        [set[str] | None], tuple[set[int], set[str]]
+    ] = lambda recving: (set(), set()),
     host_sync: bool = True,
 ) -> ModelRunnerOutput:
     """The worker side of one step, in the model runner's order: the
     connector's calls around the forward, as each release's runner makes
-    them. `failed_loads(recving)` names the blocks whose load failed.
+    them. `failed_loads(recving)` names the blocks whose load failed and the
+    requests whose load failed as a whole.
     `host_sync`: the host reads the step's sampled tokens before it returns
     (synchronous scheduling); otherwise the caller syncs later."""
     if worker is None:
@@ -336,13 +339,14 @@ def worker_step(
             if so.total_num_scheduled_tokens > 0 or not NO_FORWARD_SKIPS_SAVE:
                 worker.wait_for_save()
             sending, recving = worker.get_finished(so.finished_req_ids)
-            invalid = failed_loads(recving)
+            invalid, failed = failed_loads(recving)
             out.kv_connector_output = KVConnectorOutput(
                 finished_sending=sending,
                 finished_recving=recving,
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
                 # Passed only when set: not every release has the field.
                 **({"invalid_block_ids": invalid} if invalid else {}),
+                **({"failed_recving": failed} if failed else {}),
             )
             worker.clear_connector_metadata()
     if host_sync:
