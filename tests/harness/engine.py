@@ -327,11 +327,19 @@ class Engine:
         for req_id in sorted(self._failing_loads.keys() & set(recving or ())):
             valid_blocks = self._failing_loads.pop(req_id)
             if valid_blocks is None:
+                # Failed by request: what the load wrote is lost. Its blocks
+                # are the request's uncached ones (a loaded block is cached
+                # once its load lands); its prefix hits keep what they hold.
                 failed.add(req_id)
+                blocks = self.scheduler.kv_cache_manager.get_blocks(req_id).blocks
+                for group in blocks:
+                    for block in group:
+                        if block.block_hash is None and not block.is_null:
+                            self.kv.gpu.pop(block.block_id, None)
+                continue
             for ids in self.scheduler.kv_cache_manager.get_block_ids(req_id):
-                for block_id in ids[valid_blocks or 0 :]:
-                    if valid_blocks is not None:
-                        invalid.add(block_id)
+                for block_id in ids[valid_blocks:]:
+                    invalid.add(block_id)
                     self.kv.gpu.pop(block_id, None)
         return invalid, failed
 

@@ -9,24 +9,26 @@ A change site it misses leaves a stale need in the total: an admission
 then reserves too much (a load waits for nothing) or too little (loads
 strand each other).
 
-Two checks. Each value the scheduler reads is compared, when it reads it,
-with the sum counted anew over every in-flight prefill. And at each read,
-and after each schedule, update_from_output and add_request, every
-in-flight prefill not marked since the total last counted it must still be
-as it was then: its token counts and, per group, how many blocks it holds
-and whether the group registered it. The first alone misses a change the
+Each value the scheduler reads is compared, when it reads it, with the sum
+counted anew over every in-flight prefill. That alone misses a change the
 count does not read today (a prefill chunk's computed tokens) and one that
-the running requests' allocations happen to mark before the next read;
-either is a mark missing that a rebase, or another path, would turn into a
-stale total. On a tree without the running total (the bare releases)
-nothing is installed. From 0.23.0, where upstream sums per admission, the
-series keeps the same running total (release patch "keep the in-flight
-prefills' reservation as a running total").
+the running requests' allocations happen to mark before the next read:
+marks missing that a rebase, or another path, turns into a stale total.
+So, at each read and before and after each schedule, update_from_output
+and add_request, every in-flight prefill not marked since the total last
+counted it must still be as it was then (see counted_inputs), and none may
+be finished or running past its prefill. On a tree without the running
+total (the bare releases) nothing is installed. From 0.23.0, where
+upstream sums per admission, the series keeps the same running total
+(release patch "keep the in-flight prefills' reservation as a running
+total").
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from vllm.v1.request import RequestStatus
 
 
 def recount(prefills: Any, candidate: Any = None) -> int:
@@ -38,30 +40,42 @@ def recount(prefills: Any, candidate: Any = None) -> int:
 
 def counted_inputs(scheduler: Any, request: Any) -> tuple:
     """What a request's count reads of it: its token counts and, per KV
-    cache group, how many blocks it holds and whether the group has
-    registered it. (Not the block ids: a sliding window's blocks turning
-    null leave its count as it was.)"""
-    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    cache group, how many blocks it holds and how many of them are null (a
+    sliding window's skipped blocks; Mamba align mode's checkpoints),
+    whether the group registered it, and Mamba align mode's marks of a
+    partial hit and of blocks allocated this step. (HiSparse's host pool is
+    shared by every request, and its scheduler counts every request again at
+    each read: not checked, see install.)"""
+    request_id = request.request_id
+    groups = []
+    for m in scheduler.kv_cache_manager.coordinator.single_type_managers:
+        blocks = m.req_to_blocks.get(request_id, ())
+        groups.append(
+            (
+                len(blocks),
+                sum(block.is_null for block in blocks),
+                request_id in getattr(m, "num_cached_block", ()),
+                request_id in getattr(m, "_partial_hit_reqs", ()),
+                request_id in getattr(m, "_allocated_block_reqs", ()),
+            )
+        )
     return (
         request.num_tokens,
         request.num_prompt_tokens,
         request.num_computed_tokens,
-        tuple(
-            (
-                len(m.req_to_blocks.get(request.request_id, ())),
-                request.request_id in getattr(m, "num_cached_block", ()),
-            )
-            for m in managers
-        ),
+        tuple(groups),
     )
 
 
-def unmarked_changes(scheduler: Any) -> list[str]:
+def violations(scheduler: Any, between_calls: bool) -> list[str]:
     """In-flight prefills that changed since the running total last counted
-    them and are not marked to be counted again."""
+    them and are not marked to be counted again; and, `between_calls` (a
+    request's prefill flag is only settled once `schedule` returns),
+    requests in the set that are not in flight: finished, or running past
+    their prefill."""
     prefills = scheduler._inflight_prefills
     counted_at = prefills._counted_at
-    return [
+    found = [
         f"in-flight prefill {request.request_id} changed since the running "
         f"total counted it ({counted_at.get(request)} -> "
         f"{counted_inputs(scheduler, request)}) and was not marked "
@@ -70,35 +84,59 @@ def unmarked_changes(scheduler: Any) -> list[str]:
         if request not in prefills._stale
         and counted_at.get(request) != counted_inputs(scheduler, request)
     ]
+    for request in prefills if between_calls else ():
+        if request.is_finished():
+            found.append(
+                f"{request.request_id} is finished ({request.status.name}) "
+                "and still reserves blocks as an in-flight prefill"
+            )
+        elif request.status == RequestStatus.RUNNING and not getattr(
+            request, "is_prefill_chunk", True
+        ):
+            found.append(
+                f"{request.request_id} runs past its prefill and still "
+                "reserves blocks as an in-flight prefill"
+            )
+    return found
 
 
-def _fail_on_unmarked(scheduler: Any, where: str) -> None:
-    problems = unmarked_changes(scheduler)
+def _fail_on_violations(scheduler: Any, where: str, between_calls: bool) -> None:
+    problems = violations(scheduler, between_calls)
     if problems:
-        raise AssertionError(f"after {where}: " + "; ".join(problems))
+        raise AssertionError(f"{where}: " + "; ".join(problems))
 
 
 def install(scheduler: Any) -> bool:
-    """Make the scheduler's reservation reads fail on any stale count.
+    """Make the scheduler's reservation reads fail on any stale count, and
+    its calls fail on an in-flight prefill changed and not marked.
     Returns whether the tree keeps a running total to check.
 
-    At each read the total must equal a recount. And at each read, and
-    after each call that can change a request (schedule, update_from_output,
-    add_request), every in-flight prefill must be as it was when the total
-    last counted it, unless it is marked to be counted again. The second
-    check sees a change the count does not read today (a prefill chunk's
-    computed tokens, where the count reads only the blocks): it still
-    breaks the rule the running total rests on, and a rebase onto a count
-    that reads it would leave the total stale with no test failing. It also
-    sees a change between reads: the next read may come after the running
-    requests' allocations have marked the request anyway, by chance."""
+    At each read the total must equal a recount. Before and after each call
+    that can change a request (schedule, update_from_output, add_request)
+    and at each read, every in-flight prefill must be as it was when the
+    total last counted it, unless it is marked to be counted again; and
+    after each such call the total is read once more, so that every
+    in-flight prefill is counted at every call boundary. The second check
+    sees a change the count does not read today (a prefill chunk's computed
+    tokens, where the count reads only the blocks): it still breaks the
+    rule the running total rests on, and a rebase onto a count that reads
+    it would leave the total stale with no test failing. It also sees a
+    change between reads that the running requests' allocations happen to
+    mark before the next read. The extra read changes no decision: a read
+    returns the exact total, whenever it is made."""
     prefills = getattr(scheduler, "_inflight_prefills", None)
     kept = getattr(prefills, "reserved_blocks", None)
     if kept is None or not hasattr(prefills, "_count_needed"):
         return False
+    if hasattr(prefills, "_counted_at"):
+        return True  # installed already
     count = prefills._count_needed
     # Each request's inputs when the running total last counted it.
     counted_at: dict[Any, tuple] = {}
+    # A scheduler whose count reads state every request shares (HiSparse)
+    # counts every request again at each read and marks nothing: only the
+    # recount applies.
+    marks_changes = not getattr(prefills, "_recount_every_read", False)
 
     def counting(request: Any) -> int:
         counted_at[request] = counted_inputs(scheduler, request)
@@ -114,7 +152,8 @@ def install(scheduler: Any) -> bool:
                 "a change to a request's blocks or computed tokens was not "
                 "marked (InflightPrefills.touch)"
             )
-        _fail_on_unmarked(scheduler, "a reservation read")
+        if marks_changes:
+            _fail_on_violations(scheduler, "at a reservation read", False)
         for request in [r for r in counted_at if r not in prefills]:
             del counted_at[request]
         return got
@@ -125,17 +164,20 @@ def install(scheduler: Any) -> bool:
     prefills._counted_at = counted_at
     prefills._count_needed = counting
     prefills.reserved_blocks = checked
-    for name in ("schedule", "update_from_output", "add_request"):
-        _check_after(scheduler, name)
+    if marks_changes:
+        for name in ("schedule", "update_from_output", "add_request"):
+            _check_around(scheduler, name, checked)
     return True
 
 
-def _check_after(scheduler: Any, name: str) -> None:
+def _check_around(scheduler: Any, name: str, read: Any) -> None:
     call = getattr(scheduler, name)
 
     def checked_call(*args: Any, **kwargs: Any) -> Any:
+        _fail_on_violations(scheduler, f"before {name}", True)
         result = call(*args, **kwargs)
-        _fail_on_unmarked(scheduler, name)
+        _fail_on_violations(scheduler, f"after {name}", True)
+        read()
         return result
 
     setattr(scheduler, name, checked_call)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from vllm.v1.core import single_type_kv_cache_manager as managers
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.request import RequestStatus
 
 from harness.burst import burst_of_cpu_hits, within_linear_bound
 from harness.engine import Engine, HarnessConfig
@@ -129,9 +130,17 @@ def test_a_load_failed_by_request_is_recounted_and_recomputed():
     except NotImplementedError as no_field:
         pytest.skip(str(no_field))
     e.step()
-    # Admitted while the first loads, the second reads the reservation, which
-    # counts the first; then the first's load fails.
+    # Admitted while the first loads, the second's admission reads the
+    # reservation, which counts the first; the first's load fails after.
     other = e.add_request(prefixes[1] + [2] * (2 * BS), max_tokens=2)
+    e.step()
+    request = e.scheduler.requests[failing]
+    assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    prefills = e.scheduler._inflight_prefills
+    if hasattr(prefills, "needed"):  # the series' running total
+        assert request in prefills.needed and request not in prefills._stale, (
+            "the failing load must be counted before it fails, or no mark matters"
+        )
     e.run(max_steps=100)
     loads = [x for x in e.copy_backend.launched if not x["is_store"]]
     assert len(loads) == 3, "the failed load, the other, then the first again"
