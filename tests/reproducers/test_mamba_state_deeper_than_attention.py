@@ -122,3 +122,33 @@ def test_each_local_lookup_is_recorded_once(layout):
     else:
         kept = 0  # before 0.24.0: the hit every group holds, none
     assert recorded == (1, kept, 0)
+
+
+def test_hits_that_agree_are_looked_up_once():
+    """Where every group hits as deep as full attention (here the whole
+    prompt but its last block, cached in both groups), the per-group lookup
+    stands: no second lookup for the hit every group holds, which would be
+    the same hit at twice the cost per admission (and, from 0.24.0, drop
+    the per-group path's Marconi hint)."""
+    e = mamba_engine("align")
+    prompt = list(range(100, 180))  # five blocks of 16
+    e.add_request(prompt, max_tokens=2)
+    with skip_where_a_load_is_refused("align"):
+        e.run()
+    manager = e.scheduler.kv_cache_manager
+    lookups = {"get_computed_blocks": 0}
+    real = manager.get_computed_blocks
+
+    def counted(*args, **kwargs):
+        lookups["get_computed_blocks"] += 1
+        return real(*args, **kwargs)
+
+    manager.get_computed_blocks = counted
+    per_group = getattr(manager.coordinator, "find_longest_cache_hit_per_group", None)
+    req_id = e.add_request(prompt + EXTENSION, max_tokens=2)
+    e.step()
+    e.run()
+    assert req_id in e.stats.finished
+    # The per-group lookup (0.24.0-0.26.0) replaces the plain one; elsewhere
+    # the plain lookup is the only one.
+    assert lookups["get_computed_blocks"] == (0 if per_group else 1)
