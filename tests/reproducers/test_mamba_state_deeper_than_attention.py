@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.burst import count_calls
 from harness.engine import Engine, HarnessConfig
 from harness.mamba import (
     attention_evicted_past_the_mamba_state,
@@ -137,16 +138,9 @@ def test_hits_that_agree_are_looked_up_once():
         e.run()
     manager = e.scheduler.kv_cache_manager
     lookups = {"get_computed_blocks": 0}
-    real = manager.get_computed_blocks
-
-    def counted(*args, **kwargs):
-        lookups["get_computed_blocks"] += 1
-        return real(*args, **kwargs)
-
-    manager.get_computed_blocks = counted
+    count_calls(manager, "get_computed_blocks", lookups)
     per_group = getattr(manager.coordinator, "find_longest_cache_hit_per_group", None)
     req_id = e.add_request(prompt + EXTENSION, max_tokens=2)
-    e.step()
     e.run()
     assert req_id in e.stats.finished
     # The per-group lookup (0.24.0-0.26.0) replaces the plain one; elsewhere
