@@ -31,10 +31,9 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 
-def recount(prefills: Any, candidate: Any = None) -> int:
-    """The reservation summed anew: every in-flight prefill but `candidate`,
-    each counted now by the scheduler's own count."""
-    count = getattr(prefills, "_scheduler_count", prefills._count_needed)
+def recount(count: Any, prefills: Any, candidate: Any = None) -> int:
+    """The reservation summed anew with the scheduler's own `count`: every
+    in-flight prefill but `candidate`."""
     return sum(count(request) for request in list(prefills) if request is not candidate)
 
 
@@ -67,15 +66,12 @@ def counted_inputs(scheduler: Any, request: Any) -> tuple:
     )
 
 
-def violations(scheduler: Any, between_calls: bool) -> list[str]:
+def unmarked_changes(scheduler: Any) -> list[str]:
     """In-flight prefills that changed since the running total last counted
-    them and are not marked to be counted again; and, `between_calls` (a
-    request's prefill flag is only settled once `schedule` returns),
-    requests in the set that are not in flight: finished, or running past
-    their prefill."""
+    them and are not marked to be counted again."""
     prefills = scheduler._inflight_prefills
     counted_at = prefills._counted_at
-    found = [
+    return [
         f"in-flight prefill {request.request_id} changed since the running "
         f"total counted it ({counted_at.get(request)} -> "
         f"{counted_inputs(scheduler, request)}) and was not marked "
@@ -84,7 +80,14 @@ def violations(scheduler: Any, between_calls: bool) -> list[str]:
         if request not in prefills._stale
         and counted_at.get(request) != counted_inputs(scheduler, request)
     ]
-    for request in prefills if between_calls else ():
+
+
+def strays(scheduler: Any) -> list[str]:
+    """Requests in the in-flight set that are not in flight: finished, or
+    running past their prefill. Only meaningful between calls: a request's
+    prefill flag is settled once `schedule` returns."""
+    found = []
+    for request in scheduler._inflight_prefills:
         if request.is_finished():
             found.append(
                 f"{request.request_id} is finished ({request.status.name}) "
@@ -100,8 +103,7 @@ def violations(scheduler: Any, between_calls: bool) -> list[str]:
     return found
 
 
-def _fail_on_violations(scheduler: Any, where: str, between_calls: bool) -> None:
-    problems = violations(scheduler, between_calls)
+def _fail_on(problems: list[str], where: str) -> None:
     if problems:
         raise AssertionError(f"{where}: " + "; ".join(problems))
 
@@ -143,7 +145,7 @@ def install(scheduler: Any) -> bool:
         return count(request)
 
     def checked(candidate: Any = None) -> int:
-        want = recount(prefills, candidate)
+        want = recount(count, prefills, candidate)
         got = kept(candidate)
         if got != want:
             raise AssertionError(
@@ -153,14 +155,11 @@ def install(scheduler: Any) -> bool:
                 "marked (InflightPrefills.touch)"
             )
         if marks_changes:
-            _fail_on_violations(scheduler, "at a reservation read", False)
+            _fail_on(unmarked_changes(scheduler), "at a reservation read")
         for request in [r for r in counted_at if r not in prefills]:
             del counted_at[request]
         return got
 
-    # The scheduler's own count, for the recount: counting through the
-    # wrapper would record the request as counted by the running total.
-    prefills._scheduler_count = count
     prefills._counted_at = counted_at
     prefills._count_needed = counting
     prefills.reserved_blocks = checked
@@ -174,10 +173,11 @@ def _check_around(scheduler: Any, name: str, read: Any) -> None:
     call = getattr(scheduler, name)
 
     def checked_call(*args: Any, **kwargs: Any) -> Any:
-        _fail_on_violations(scheduler, f"before {name}", True)
+        _fail_on(unmarked_changes(scheduler) + strays(scheduler), f"before {name}")
         result = call(*args, **kwargs)
-        _fail_on_violations(scheduler, f"after {name}", True)
+        # The read checks for unmarked changes, then counts every request.
         read()
+        _fail_on(strays(scheduler), f"after {name}")
         return result
 
     setattr(scheduler, name, checked_call)
