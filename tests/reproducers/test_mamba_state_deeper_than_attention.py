@@ -24,7 +24,10 @@ get_computed_blocks_for_connector).
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from vllm.v1.request import RequestStatus
 
 from harness.burst import count_calls
 from harness.engine import Engine, HarnessConfig
@@ -114,15 +117,52 @@ def test_each_local_lookup_is_recorded_once(layout):
         mamba_state_evicted_under_the_attention(e, prompt, attention_kept=4)
     with skip_where_a_load_is_refused("align"):
         _, recorded = _extended_and_recorded(e, prompt)
-    if layout == "attention-only":
-        kept = 80
-    elif hasattr(
-        e.scheduler.kv_cache_manager.coordinator, "find_longest_cache_hit_per_group"
-    ):
-        kept = 64  # full attention's hit, which the connector loads past
-    else:
-        kept = 0  # before 0.24.0: the hit every group holds, none
+    kept = 80 if layout == "attention-only" else _hit_kept_where_a_load_passes(e)
     assert recorded == (1, kept, 0)
+
+
+def _hit_kept_where_a_load_passes(e: Engine) -> int:
+    """The local hit a request keeps on diverged hits (full attention 64,
+    Mamba none) where the connector loads past them."""
+    coordinator = e.scheduler.kv_cache_manager.coordinator
+    if hasattr(coordinator, "find_longest_cache_hit_per_group"):
+        return 64  # full attention's hit, which the connector loads past
+    return 0  # before 0.24.0: the hit every group holds, none
+
+
+def test_a_preempted_request_s_diverged_hit_is_recorded_as_preempted():
+    """A request preempted once, whose hits diverged again while it waited
+    (its Mamba state evicted, its first four attention blocks kept) and
+    whose connector loads past them: its lookup is recorded once, among the
+    preempted requests' (vLLM's statistics keep a resumed request's hits
+    apart from new requests')."""
+    e = mamba_engine("align", log_stats=True)
+    prompt = list(range(100, 180))  # five blocks of 16
+    mamba_state_evicted_under_the_attention(e, prompt, attention_kept=4)
+    req_id = e.add_request(prompt + EXTENSION, max_tokens=8)
+    s = e.scheduler
+    request = s.requests[req_id]
+    with skip_where_a_load_is_refused("align"):
+        while request.status != RequestStatus.RUNNING:
+            e.step()
+    block_ids = s.kv_cache_manager.get_block_ids(req_id)
+    # Preempted as the scheduler does: out of the running queue, then back
+    # to waiting with its blocks freed (and cached).
+    s.running.remove(request)
+    s._preempt_request(request, time.monotonic())
+    for ids, keep in zip(block_ids, (4, 0), strict=True):
+        for block_id in ids[keep:]:
+            e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
+    stats = s.kv_cache_manager.prefix_cache_stats
+    before = (stats.requests, stats.preempted_requests, stats.preempted_hits)
+    e.step()
+    after = (stats.requests, stats.preempted_requests, stats.preempted_hits)
+    recorded = tuple(a - b for a, b in zip(after, before, strict=True))
+    assert recorded == (0, 1, _hit_kept_where_a_load_passes(e))
+    e.run()
+    assert req_id in e.stats.finished
+    read_wrong = "\n".join(str(v) for v in e.runner.violations)
+    assert not read_wrong, f"the resumed request read unwritten blocks:\n{read_wrong}"
 
 
 def test_hits_that_agree_are_looked_up_once():
