@@ -45,6 +45,22 @@ def assert_cpu_pool_free(e: Engine) -> None:
     )
 
 
+def loads_in_flight_engine(load_steps: int = 0, **overrides: Any) -> Engine:
+    """SimpleCPUOffload on 64 GPU blocks of 16 tokens and a CPU tier of 256,
+    each load taking `load_steps` steps (stores none), a failed load
+    recomputed (the "recompute" policy): the set-up of the tests that keep
+    async loads in flight while the scheduler admits others. `overrides`:
+    HarnessConfig's fields."""
+    cfg: dict[str, Any] = dict(
+        block_size=16,
+        num_gpu_blocks=64,
+        num_cpu_blocks=256,
+        kv_load_failure_policy="recompute",
+        transfer_delay=lambda is_store: 0 if is_store else load_steps,
+    )
+    return Engine(HarnessConfig(**(cfg | overrides)))
+
+
 def engine_with_cached_prompt(
     prompt: list[int], on_the_cpu_only: bool, **request: Any
 ) -> Engine:

@@ -21,6 +21,7 @@ from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
+from harness.offload_checks import loads_in_flight_engine
 from harness.trace_replay import assert_runs_to_the_end, replay
 
 BS = 16
@@ -303,16 +304,7 @@ def test_a_failed_load_gives_back_its_blocks_behind_a_holder(preempted_before):
     # that needs 4 more than the 3 free. F's 20 blocks would cover them:
     # F must give them back, and H must run without losing its own KV.
     prefix = [7000 + t for t in range(20 * BS)]
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=64,
-            num_cpu_blocks=256,
-            policy="priority",
-            kv_load_failure_policy="recompute",
-            transfer_delay=lambda is_store: 0 if is_store else 3,
-        )
-    )
+    e = loads_in_flight_engine(load_steps=3, policy="priority")
     e.add_request(prefix, max_tokens=1)
     e.run()
     assert e.block_pool.reset_prefix_cache()
@@ -542,18 +534,14 @@ def test_a_finished_load_the_holders_pass_did_not_reach_keeps_what_it_loaded():
     """
     prefix_a = [7000 + t for t in range(BS)]
     prefix_b = [8000 + t for t in range(2 * BS)]
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=13,
-            num_cpu_blocks=64,
-            policy="priority",
-            kv_load_failure_policy="recompute",
-            enable_chunked_prefill=False,
-            max_model_len=256,
-            max_num_batched_tokens=256,
-            transfer_delay=lambda is_store: 0 if is_store else 3,
-        )
+    e = loads_in_flight_engine(
+        load_steps=3,
+        num_gpu_blocks=13,
+        num_cpu_blocks=64,
+        policy="priority",
+        enable_chunked_prefill=False,
+        max_model_len=256,
+        max_num_batched_tokens=256,
     )
     # VllmConfig._set_max_num_scheduled_tokens with drafting slots: with
     # chunked prefill off, a longer prompt runs only on a prefix hit.

@@ -22,6 +22,7 @@ from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
+from harness.offload_checks import loads_in_flight_engine
 from harness.queue_state import (
     fcfs_violations,
     heap_list,
@@ -371,16 +372,10 @@ def test_a_load_in_flight_keeps_its_place_when_the_scan_stops_in_skipped_waiting
     again ahead of X, which arrived first. Then everything drains. (The
     bare release refuses nothing for L's reservation: X reloads at once.)"""
     delay = {"load": 2}
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=64,
-            num_cpu_blocks=256,
-            max_num_batched_tokens=1024,
-            reserve_full_isl=False,
-            kv_load_failure_policy="recompute",
-            transfer_delay=lambda is_store: 0 if is_store else delay["load"],
-        )
+    e = loads_in_flight_engine(
+        max_num_batched_tokens=1024,
+        reserve_full_isl=False,
+        transfer_delay=lambda is_store: 0 if is_store else delay["load"],
     )
     # The order is asserted below, where it can be named.
     e.raise_queue_violations = False

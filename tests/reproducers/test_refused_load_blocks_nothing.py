@@ -22,6 +22,7 @@ from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
+from harness.offload_checks import loads_in_flight_engine
 
 BS = 16
 PREFIX_X = [7000 + t for t in range(20 * BS)]
@@ -72,15 +73,7 @@ def test_loads_that_failed_whole_do_not_reserve_blocks_for_each_other():
     # would reserve its whole prompt against the other (43 free, 30 each
     # reserved, 20 to load): both refused, nothing running, forever. The
     # release, with no reservation, finishes both.
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=64,
-            num_cpu_blocks=256,
-            kv_load_failure_policy="recompute",
-            transfer_delay=lambda is_store: 0 if is_store else 3,
-        )
-    )
+    e = loads_in_flight_engine(load_steps=3)
     e.add_request(PREFIX_X, max_tokens=1)
     e.add_request(PREFIX_C, max_tokens=1)
     e.run()
@@ -122,17 +115,11 @@ def test_a_load_that_failed_in_part_stays_reserved_for():
     # in-flight reservation alone keeps W out; a step's budget takes
     # either prompt's rest in one chunk, so F, once scheduled, is done
     # prefilling.
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=64,
-            num_cpu_blocks=256,
-            policy="priority",
-            kv_load_failure_policy="recompute",
-            max_num_batched_tokens=32 * BS,
-            reserve_full_isl=False,
-            transfer_delay=lambda is_store: 0 if is_store else 3,
-        )
+    e = loads_in_flight_engine(
+        load_steps=3,
+        policy="priority",
+        max_num_batched_tokens=32 * BS,
+        reserve_full_isl=False,
     )
     e.add_request(PREFIX_X, max_tokens=1)
     e.add_request(PREFIX_C, max_tokens=1)

@@ -11,8 +11,8 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.request import RequestStatus
 
 from harness.burst import burst_of_cpu_hits, within_linear_bound
-from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
+from harness.offload_checks import loads_in_flight_engine
 
 
 def test_admitting_a_burst_of_loads_counts_each_prefill_a_bounded_number_of_times():
@@ -109,15 +109,7 @@ def test_a_load_failed_by_request_is_recounted_and_recomputed():
     (harness/reservation_check.py); the SimpleCPUOffload worker reports
     failed blocks, never failed requests, so no other test takes this path.
     Skipped before 0.30.0 (no failed_recving)."""
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=64,
-            num_cpu_blocks=256,
-            kv_load_failure_policy="recompute",
-            transfer_delay=lambda is_store: 0 if is_store else 2,
-        )
-    )
+    e = loads_in_flight_engine(load_steps=2)
     prefixes = [[base + t for t in range(8 * BS)] for base in (5000, 6000)]
     for prefix in prefixes:
         e.add_request(prefix, max_tokens=1)

@@ -19,6 +19,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok, assert_pool_ok
+from harness.offload_checks import loads_in_flight_engine
 
 BS = 16
 PREFIX_A = [7000 + t for t in range(20 * BS)]
@@ -124,14 +125,7 @@ def test_an_async_load_that_failed_whole_is_admitted_again():
     Its own prompt must not count against it: reserving it would refuse a
     prompt that needs more than half of what is free, forever, with
     nothing running (upstream's gate as first written does that)."""
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=64,
-            num_cpu_blocks=256,
-            kv_load_failure_policy="recompute",
-        )
-    )
+    e = loads_in_flight_engine()
     e.add_request(PREFIX_A, max_tokens=3)
     e.run()
     assert e.block_pool.reset_prefix_cache()
