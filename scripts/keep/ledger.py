@@ -48,6 +48,8 @@ OPEN = "open"
 NOT_AFFECTED = "-"
 UNKNOWN = "unknown"
 REF = re.compile(r"^([\w.-]+/[\w.-]+)#(\d+)$")
+# A pytest id in a row's probe text: tests/<path>.py::<test>[<params>].
+TEST_ID = re.compile(r"tests/[\w/]+\.py::\w+(?:\[[\w.-]+\])?")
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,12 @@ def load(path: Path = DATA, known: list[str] | None = None) -> list[Bug]:
         Bug(**{k: tuple(v) if isinstance(v, list) else v for k, v in row.items()})
         for row in rows
     ]
+
+
+def probe_tests(bugs: list[Bug]) -> list[str]:
+    """The tests the rows' probes name, each once: they pin what the bare
+    releases do, and make test-releases runs them on every series."""
+    return sorted({t for bug in bugs for t in TEST_ID.findall(bug.probe)})
 
 
 def in_range(version: str, first: str, last: str) -> bool:

@@ -8,6 +8,7 @@ For every series (default: patches/ and any series under patches/v*/):
      trees: a test that passes on the base must pass with the series;
   3. run tests/reproducers on both trees: every test a patch names in a
      `Reproducer:` trailer must fail on the base and pass with the series;
+     the tests the ledger's probes name must pass with the series;
   4. the differential oracle (scripts/prove/differential.py) on a short run of
      generated traces: the series schedules as the base does, except where
      a patch declares otherwise;
@@ -183,6 +184,39 @@ def reproducers(python: Path, trees: Trees) -> tuple[bool, str]:
     if problems:
         detail = "\n".join(problems)
     return not problems, detail
+
+
+def ledger_probes(python: Path, trees: Trees) -> tuple[bool, str]:
+    """The tests the ledger's probes name (docs/ledger.md) must pass or skip
+    with the series, as the rows say: a release that behaves otherwise (a
+    will-not row's limit that one release lifts) fails here, naming the
+    test, rather than leaving the row wrong. On the bare release the
+    probes of carried rows fail by design; only the series is judged."""
+    from keep.ledger import load, probe_tests
+
+    ids = probe_tests(load())
+    if not ids:
+        return True, "the ledger names no probe test"
+    _, patched = both_trees(
+        python,
+        trees,
+        "ledger-probes",
+        ["--continue-on-collection-errors", *ids],
+        cwd_base=ROOT,
+    )
+    bad = [
+        f"{t}: {patched.get(t, 'not run')} with the series "
+        "(rerun: make test-releases VERSION=" + trees.version + ")"
+        for t in ids
+        if not any(
+            o in ("passed", "skipped")
+            for k, o in patched.items()
+            if k == t or k.startswith(t + "[")
+        )
+    ]
+    if bad:
+        return False, "ledger probes:\n" + "\n".join(bad)
+    return True, f"{len(ids)} ledger probes pass with the series"
 
 
 def differential(python: Path, trees: Trees) -> tuple[bool, str]:
@@ -448,6 +482,7 @@ def main() -> int:
                     f"upstream tests v{v}", lambda t=t, py=py: upstream_tests(py, t)
                 )
             report.run(f"reproducers v{v}", lambda t=t, py=py: reproducers(py, t))
+            report.run(f"ledger probes v{v}", lambda t=t, py=py: ledger_probes(py, t))
             report.run(f"differential v{v}", lambda t=t, py=py: differential(py, t))
             report.run(f"series stable v{v}", lambda t=t: series_stable(t))
             report.run(f"ruff vLLM settings v{v}", lambda t=t: vllm_lint(t))

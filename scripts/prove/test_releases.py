@@ -10,7 +10,8 @@ picks some), as `make test` does for the default and newest ones:
      requirements it already meets);
   3. run the reproducers each patch names: each must fail on the bare
      release and pass with the series (and no other test of those files
-     may fail with the series);
+     may fail with the series); and the tests the ledger's probes name
+     (docs/ledger.md) must pass with the series, as their rows say;
   4. run upstream's tests/v1/core and tests/v1/simple_kv_offload on both
      trees: no test that passes on the base may fail with the series.
 A release that fails does not stop the others. Prints one table (written
@@ -35,7 +36,14 @@ from lib.cli import main_guard, parser, say, step
 from lib.errors import ForkError
 from lib.paths import WORK, rel
 from lib.series import Series, find_series, series_for_version, version_key
-from prove.run_tests import build_env, prepare, release_env, reproducers, upstream_tests
+from prove.run_tests import (
+    build_env,
+    ledger_probes,
+    prepare,
+    release_env,
+    reproducers,
+    upstream_tests,
+)
 
 OUT = WORK / "releases"
 
@@ -102,6 +110,10 @@ def prove(series: Series, is_default: bool) -> Row:
         repro = first_line(detail) if ok else "FAILED"
         if not ok:
             problems += detail.splitlines()
+        ok, detail = ledger_probes(python, trees)
+        repro += f"; {detail}" if ok else "; ledger probes FAILED"
+        if not ok:
+            problems += detail.splitlines()[1:]
         ok, detail = upstream_tests(python, trees)
         upstream = (
             upstream_summary(detail) if ok else "FAILED: " + (upstream_summary(detail))

@@ -92,6 +92,22 @@ def test_every_reproducer_the_ledger_names_exists():
             assert re.search(rf"^def {function}\(", source, re.M), test_id
 
 
+def test_every_probe_test_the_ledger_names_exists():
+    """make test-releases runs these on every series: a renamed test would
+    show there as "not run"; here it is named at once."""
+    probes = ledger.probe_tests(ledger.load())
+    assert (
+        "tests/harness_tests/test_engine.py::"
+        + ("test_a_failed_load_on_a_mamba_hybrid_stops_the_engine")
+        in probes
+    )
+    for test_id in probes:
+        path, _, name = test_id.partition("::")
+        source = (ROOT / path).read_text()
+        function = name.split("[")[0]
+        assert re.search(rf"^def {function}\(", source, re.M), test_id
+
+
 def test_the_readme_series_table_lists_the_seeds_then_the_ledger():
     readme = (ROOT / "README.md").read_text()
     bugs = ledger.load()

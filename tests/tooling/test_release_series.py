@@ -160,3 +160,41 @@ def test_a_release_whose_check_breaks_is_a_failed_row(patches, monkeypatch):
     row = test_releases.prove(Series(patches / "v0.24.0"), False)
     assert (row.release, row.ok) == ("0.24.0", False)
     assert row.problems == ["the sdist's checksum does not match"]
+
+
+def test_the_ledger_probes_judge_the_series_by_each_named_test(monkeypatch):
+    """A probe id names one test or every parametrization of it; a test that
+    fails or is not run with the series fails the step, naming it and the
+    make command that reruns it. The bare release is not judged."""
+    from types import SimpleNamespace
+
+    from keep import ledger
+    from prove import run_tests
+
+    ids = ["tests/a.py::test_one", "tests/a.py::test_two[x]", "tests/b.py::test_t"]
+    monkeypatch.setattr(ledger, "probe_tests", lambda bugs: ids)
+    monkeypatch.setattr(ledger, "load", lambda: [])
+    outcomes = {
+        "tests/a.py::test_one[p]": "passed",
+        "tests/a.py::test_one[q]": "skipped",
+        "tests/a.py::test_two[x]": "failed",
+        # A longer name is another test, not a parametrization.
+        "tests/b.py::test_t_other": "passed",
+    }
+    monkeypatch.setattr(
+        run_tests, "both_trees", lambda *a, **k: ({"x": "failed"}, outcomes)
+    )
+    ok, detail = run_tests.ledger_probes(Path("py"), SimpleNamespace(version="9.9"))
+    assert not ok
+    assert detail.splitlines()[1:] == [
+        "tests/a.py::test_two[x]: failed with the series "
+        "(rerun: make test-releases VERSION=9.9)",
+        "tests/b.py::test_t: not run with the series "
+        "(rerun: make test-releases VERSION=9.9)",
+    ]
+    outcomes["tests/a.py::test_two[x]"] = "passed"
+    outcomes["tests/b.py::test_t"] = "passed"
+    assert run_tests.ledger_probes(Path("py"), SimpleNamespace(version="9.9")) == (
+        True,
+        "3 ledger probes pass with the series",
+    )
