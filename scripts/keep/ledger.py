@@ -69,6 +69,7 @@ class Bug:
     patch: str = ""
     reason: str = ""
     reproducers: tuple[str, ...] = ()
+    spared: tuple[str, ...] = ()
     probe: str = ""
     fix_note: str = ""
     seed: str = ""
@@ -98,7 +99,7 @@ def check_row(i: int, row: dict, known: list[str]) -> list[str]:
         for k in text
         if not isinstance(row.get(k, ""), str)
     ]
-    lists = ("issues", "prs", "reproducers")
+    lists = ("issues", "prs", "reproducers", "spared")
     errors += [
         f"{where}: {k} must be a list of strings"
         for k in lists
@@ -123,6 +124,14 @@ def check_row(i: int, row: dict, known: list[str]) -> list[str]:
         return errors
     if version_key(span[0]) > version_key(span[1]):
         errors.append(f"{where}: affected {span[0]} comes after {span[1]}")
+    for name in row.get("spared", []):
+        if name not in known or not (
+            version_key(span[0]) < version_key(name) < version_key(span[1])
+        ):
+            errors.append(
+                f"{where}: spared {name!r} is no release strictly inside "
+                f"affected {span[0]}-{span[1]}"
+            )
     if row["fixed_in"] and version_key(row["fixed_in"]) <= version_key(span[1]):
         errors.append(f"{where}: fixed in {row['fixed_in']}, yet affected to {span[1]}")
     for ref in row["prs"]:
@@ -170,12 +179,31 @@ def load(path: Path = DATA, known: list[str] | None = None) -> list[Bug]:
 
 def probe_tests(bugs: list[Bug]) -> list[str]:
     """The tests the rows' probes name, each once: they pin what the bare
-    releases do, and make test-releases runs them on every series."""
-    return sorted({t for bug in bugs for t in TEST_ID.findall(bug.probe)})
+    releases do, and make test-releases runs them on every series. An id
+    whose parameters the pattern cannot read is an error, not the whole
+    test silently."""
+    ids = {t for bug in bugs for t in TEST_ID.findall(bug.probe)}
+    cut = sorted(
+        f"{bug.id}: {m.group(0)}..."
+        for bug in bugs
+        for m in TEST_ID.finditer(bug.probe)
+        if bug.probe[m.end() : m.end() + 1] == "["
+    )
+    if cut:
+        raise ForkError(
+            f"{rel(DATA)}: a probe's test id with parameters the ledger cannot "
+            "read (letters, digits, '.', '-' and '_' only):\n  " + "\n  ".join(cut)
+        )
+    return sorted(ids)
 
 
 def in_range(version: str, first: str, last: str) -> bool:
     return version_key(first) <= version_key(version) <= version_key(last)
+
+
+def affects(bug: Bug, version: str) -> bool:
+    """The release's own code has the bug: inside `affected`, not spared."""
+    return in_range(version, *bug.affected) and version not in bug.spared
 
 
 def fixed_upstream(bug: Bug, version: str) -> bool:
@@ -233,7 +261,7 @@ def status(bug: Bug, version: str, series: SeriesView) -> str:
         return UNKNOWN
     if fixed_upstream(bug, version):
         return FIXED_UPSTREAM
-    if not in_range(version, *bug.affected):
+    if not affects(bug, version):
         return NOT_AFFECTED
     if bug.verdict == "carried" and bug.patch in series.subjects[version]:
         return f"fixed by the fork (patch {series.labels[bug.patch]})"
@@ -254,7 +282,7 @@ def disagreements(bugs: list[Bug], series: SeriesView) -> list[str]:
             kept_for.setdefault(bug.patch, set()).update(
                 v
                 for v in series.releases
-                if in_range(v, *bug.affected) and not fixed_upstream(bug, v)
+                if affects(bug, v) and not fixed_upstream(bug, v)
             )
     for bug in bugs:
         if bug.verdict != "carried":
@@ -265,7 +293,7 @@ def disagreements(bugs: list[Bug], series: SeriesView) -> list[str]:
         have = series.carriers(bug.patch)
         for v in series.releases:
             upstream = fixed_upstream(bug, v)
-            if in_range(v, *bug.affected) and not upstream and v not in have:
+            if affects(bug, v) and not upstream and v not in have:
                 out.append(f"{bug.id}: the {v} series lacks {bug.patch!r}")
             if upstream and v in have and v not in kept_for[bug.patch]:
                 out.append(
@@ -331,7 +359,9 @@ def render(bugs: list[Bug], series: SeriesView | None = None) -> str:
         "*First in* is the first release whose code has the fix and *affected* "
         "the bare releases that have the bug, found by running the row's "
         "reproducers or probe on the bare releases, or, where it says *read*, "
-        "by reading their sources. A carried fix is in the series of every "
+        "by reading their sources (*not* names a release inside the span "
+        "whose code lacks it: a fix a later release took back). A carried fix "
+        "is in the series of every "
         "affected release, and `make rebase` drops it from the first release "
         "whose bare tree passes its reproducers, unless another row it "
         "carries still affects that release "
@@ -350,6 +380,7 @@ def render(bugs: list[Bug], series: SeriesView | None = None) -> str:
     for bug in bugs:
         issues = ", ".join(link(i, "issues") for i in bug.issues) or "-"
         span = "-".join(dict.fromkeys(bug.affected))
+        span += f" (not {', '.join(bug.spared)})" if bug.spared else ""
         read = " (read)" if bug.found_by == "read" else ""
         lines.append(
             f"| [{bug.title}](#{bug.id}) | {issues} | {fix_cell(bug, newest)} "

@@ -188,34 +188,39 @@ def reproducers(python: Path, trees: Trees) -> tuple[bool, str]:
 
 def ledger_probes(python: Path, trees: Trees) -> tuple[bool, str]:
     """The tests the ledger's probes name (docs/ledger.md) must pass or skip
-    with the series, as the rows say: a release that behaves otherwise (a
-    will-not row's limit that one release lifts) fails here, naming the
-    test, rather than leaving the row wrong. On the bare release the
-    probes of carried rows fail by design; only the series is judged."""
+    with the series, every parametrization of each, as the rows say: a
+    release that behaves otherwise (a will-not row's limit that one release
+    lifts) fails here, naming the test, rather than leaving the row wrong.
+    Only the series is run: on the bare release the probes of carried rows
+    fail by design."""
     from keep.ledger import load, probe_tests
 
     ids = probe_tests(load())
     if not ids:
         return True, "the ledger names no probe test"
-    _, patched = both_trees(
-        python,
-        trees,
-        "ledger-probes",
-        ["--continue-on-collection-errors", *ids],
-        cwd_base=ROOT,
-    )
-    bad = [
-        f"{t}: {patched.get(t, 'not run')} with the series "
-        "(rerun: make test-releases VERSION=" + trees.version + ")"
-        for t in ids
-        if not any(
-            o in ("passed", "skipped")
-            for k, o in patched.items()
-            if k == t or k.startswith(t + "[")
-        )
-    ]
+    junit = LOGS / f"ledger-probes-v{trees.version}-series.xml"
+    log = LOGS / f"ledger-probes-v{trees.version}-series.log"
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    junit.unlink(missing_ok=True)
+    args = ["--continue-on-collection-errors", *ids]
+    run_pytest(python, trees.patched, ROOT, junit, args, log)
+    outcomes = read_junit(junit)
+    bad = []
+    for test_id in ids:
+        cases = {
+            k: o
+            for k, o in outcomes.items()
+            if k == test_id or k.startswith(test_id + "[")
+        }
+        wrong = {k: o for k, o in cases.items() if o not in ("passed", "skipped")}
+        if not cases or wrong:
+            seen = ", ".join(f"{k.partition('::')[2]} {o}" for k, o in wrong.items())
+            bad.append(f"{test_id}: {seen or 'not run'} with the series")
     if bad:
-        return False, "ledger probes:\n" + "\n".join(bad)
+        return False, (
+            f"ledger probes (log: {rel(log)}; rerun: make test-releases "
+            f"VERSION={trees.version}):\n" + "\n".join(f"  {b}" for b in bad)
+        )
     return True, f"{len(ids)} ledger probes pass with the series"
 
 

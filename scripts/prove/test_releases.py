@@ -113,7 +113,7 @@ def prove(series: Series, is_default: bool) -> Row:
         ok, detail = ledger_probes(python, trees)
         repro += f"; {detail}" if ok else "; ledger probes FAILED"
         if not ok:
-            problems += detail.splitlines()[1:]
+            problems += [line.strip() for line in detail.splitlines()[1:]]
         ok, detail = upstream_tests(python, trees)
         upstream = (
             upstream_summary(detail) if ok else "FAILED: " + (upstream_summary(detail))

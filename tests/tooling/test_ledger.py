@@ -155,6 +155,14 @@ def test_a_well_formed_row_loads(tmp_path):
         ),
         (row() + row(), "id 'a' is used twice"),
         (row(extra=CARRIED + '\nsevere = "yes"'), "unknown field severe"),
+        (
+            row(extra=CARRIED + '\nspared = ["0.19.0"]'),
+            "spared '0.19.0' is no release strictly inside affected 0.19.0-0.20.2",
+        ),
+        (
+            row(extra=CARRIED + '\nspared = ["0.24.0"]'),
+            "spared '0.24.0' is no release strictly inside",
+        ),
         ("", "no [[bug]] rows"),
     ],
 )
@@ -265,6 +273,21 @@ def test_each_release_s_status_of_each_bug(view, tmp_path):
     table = ledger.status_table(bugs, ["0.19.0", "0.24.0"], view).splitlines()
     assert table[0] == "| bug | 0.19.0 | 0.24.0 |"
     assert table[2] == "| a | fixed by the fork (patch 0001) | fixed upstream |"
+
+
+def test_a_spared_release_is_not_affected(view, tmp_path):
+    """A release inside `affected` whose own code lacks the bug (a fix a
+    later release took back): not affected there, and said so on the page."""
+    (bug,) = load_text(
+        tmp_path,
+        row(
+            verdict="will-not",
+            affected='["0.19.0", "0.24.0"]',
+            extra='reason = "r"\nprobe = "p"\nspared = ["0.20.2"]',
+        ),
+    )
+    assert [ledger.status(bug, v, view) for v in KNOWN[:3]] == ["open", "-", "open"]
+    assert "| 0.19.0-0.24.0 (not 0.20.2) |" in ledger.render([bug], view)
 
 
 def test_the_page_names_each_patch_by_its_number_from_the_series(view, tmp_path):

@@ -162,10 +162,11 @@ def test_a_release_whose_check_breaks_is_a_failed_row(patches, monkeypatch):
     assert row.problems == ["the sdist's checksum does not match"]
 
 
-def test_the_ledger_probes_judge_the_series_by_each_named_test(monkeypatch):
-    """A probe id names one test or every parametrization of it; a test that
-    fails or is not run with the series fails the step, naming it and the
-    make command that reruns it. The bare release is not judged."""
+def test_the_ledger_probes_judge_the_series_by_each_named_test(monkeypatch, tmp_path):
+    """A probe id names one test or every parametrization of it; a test any
+    of whose cases fails, or that is not run, with the series fails the
+    step, naming the cases and the make command that reruns it. Only the
+    series tree is run."""
     from types import SimpleNamespace
 
     from keep import ledger
@@ -174,27 +175,52 @@ def test_the_ledger_probes_judge_the_series_by_each_named_test(monkeypatch):
     ids = ["tests/a.py::test_one", "tests/a.py::test_two[x]", "tests/b.py::test_t"]
     monkeypatch.setattr(ledger, "probe_tests", lambda bugs: ids)
     monkeypatch.setattr(ledger, "load", lambda: [])
+    monkeypatch.setattr(run_tests, "LOGS", tmp_path)
     outcomes = {
         "tests/a.py::test_one[p]": "passed",
-        "tests/a.py::test_one[q]": "skipped",
-        "tests/a.py::test_two[x]": "failed",
+        "tests/a.py::test_one[q]": "failed",
+        "tests/a.py::test_two[x]": "passed",
         # A longer name is another test, not a parametrization.
         "tests/b.py::test_t_other": "passed",
     }
-    monkeypatch.setattr(
-        run_tests, "both_trees", lambda *a, **k: ({"x": "failed"}, outcomes)
-    )
-    ok, detail = run_tests.ledger_probes(Path("py"), SimpleNamespace(version="9.9"))
-    assert not ok
+    trees_run = []
+
+    def fake_pytest(python, tree, cwd, junit, args, log):
+        trees_run.append(tree)
+        return 0
+
+    monkeypatch.setattr(run_tests, "run_pytest", fake_pytest)
+    monkeypatch.setattr(run_tests, "read_junit", lambda junit: outcomes)
+    trees = SimpleNamespace(version="9.9", patched=Path("series"))
+    ok, detail = run_tests.ledger_probes(Path("py"), trees)
+    assert not ok and trees_run == [Path("series")]
+    assert "rerun: make test-releases VERSION=9.9" in detail.splitlines()[0]
     assert detail.splitlines()[1:] == [
-        "tests/a.py::test_two[x]: failed with the series "
-        "(rerun: make test-releases VERSION=9.9)",
-        "tests/b.py::test_t: not run with the series "
-        "(rerun: make test-releases VERSION=9.9)",
+        "  tests/a.py::test_one: test_one[q] failed with the series",
+        "  tests/b.py::test_t: not run with the series",
     ]
-    outcomes["tests/a.py::test_two[x]"] = "passed"
+    outcomes["tests/a.py::test_one[q]"] = "skipped"
     outcomes["tests/b.py::test_t"] = "passed"
-    assert run_tests.ledger_probes(Path("py"), SimpleNamespace(version="9.9")) == (
+    assert run_tests.ledger_probes(Path("py"), trees) == (
         True,
         "3 ledger probes pass with the series",
     )
+
+
+def test_a_probe_id_whose_parameters_cannot_be_read_is_refused():
+    from keep import ledger
+
+    bug = SimpleBug(probe="tests/a.py::test_x[a b] and tests/a.py::test_y[ok]")
+    with pytest.raises(ForkError, match=r"row: tests/a.py::test_x\.\.\."):
+        ledger.probe_tests([bug])
+    assert ledger.probe_tests([SimpleBug(probe="tests/a.py::test_y[ok-1.5]")]) == [
+        "tests/a.py::test_y[ok-1.5]"
+    ]
+
+
+class SimpleBug:
+    """A ledger row with only what probe_tests reads."""
+
+    def __init__(self, probe: str):
+        self.id = "row"
+        self.probe = probe
