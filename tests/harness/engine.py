@@ -107,6 +107,8 @@ class StepStats:
     # the fake runner and worker: what a speed comparison should look at.
     scheduler_seconds: float = 0.0
     finished: set[str] = field(default_factory=set)
+    # Each finished request's reason, by name (STOP, LENGTH, ABORT, ERROR).
+    finish_reasons: dict[str, str] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
 
 
@@ -348,6 +350,21 @@ class Engine:
         self.stats.aborted.add(req_id)
 
     # --- stepping -----------------------------------------------------------
+    def preempt(self, req_id: str) -> None:
+        """Preempt the running request `req_id` between two steps, as
+        schedule() does when a running request cannot get blocks: out of
+        the running queue, back to waiting with its blocks freed (cached
+        where hashed), and not among the last step's scheduled requests, so
+        the step that resumes it sends its tokens whole. Synchronous
+        scheduling only: under async scheduling a step in flight would need
+        reset_prefix_cache's handling of its output."""
+        assert not self.cfg.async_scheduling, "preempt() is for sync scheduling"
+        s = self.scheduler
+        request = s.requests[req_id]
+        s.running.remove(request)
+        s._preempt_request(request, time.monotonic())
+        s.prev_step_scheduled_req_ids.discard(req_id)
+
     def step(self) -> SchedulerOutput | None:
         """One engine step (see _step), with the scheduler's queues checked
         before it (what add_request and abort did since the last step) and
@@ -408,6 +425,7 @@ class Engine:
             for o in outputs.outputs:
                 if o.finish_reason is not None:
                     self.stats.finished.add(o.request_id)
+                    self.stats.finish_reasons[o.request_id] = o.finish_reason.name
 
     def step_until_waiting_for_input(self, req_id: str, max_steps: int = 20) -> None:
         """Step until streaming session `req_id` has ended its turn and waits

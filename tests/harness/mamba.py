@@ -61,10 +61,22 @@ def _cached_blocks_evicted(
     (the Mamba group) past the first `kept[g]` (None: keep them all), as
     block pressure can."""
     req_id = e.add_request(prompt, max_tokens=3)
-    e.step()
-    # Read while the request holds its blocks.
+    request = e.scheduler.requests[req_id]
+    # Read once the whole prompt is computed (a release may split it into
+    # chunks at Mamba block boundaries), while the request holds its blocks.
+    while request.num_computed_tokens < len(prompt):
+        e.step()
     block_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)
     e.run()
+    evict_cached_past(e, block_ids, kept)
+
+
+def evict_cached_past(
+    e: Engine, block_ids: tuple[list[int], ...], kept: tuple[int | None, ...]
+) -> None:
+    """Evict from the GPU prefix cache each group's blocks of `block_ids`
+    (a request's, per group, read while it held them) past the first
+    `kept[g]` (None: keep them all), as block pressure can."""
     for ids, keep in zip(block_ids, kept, strict=True):
         if keep is None:
             continue

@@ -224,37 +224,43 @@ def _recovers_hybrid_failures_whole() -> bool:
     return "req_block_ids_per_group" in handler
 
 
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
 @pytest.mark.parametrize("valid_blocks", [0, 1], ids=["whole", "in-part"])
-def test_a_failed_load_on_a_mamba_hybrid_stops_the_engine(valid_blocks):
+def test_a_failed_load_on_a_mamba_hybrid_stops_the_engine(valid_blocks, policy):
     """A known limit, pinned (docs/ledger.md, hybrid-load-failure-crash):
     the scheduler's handling of a KV load's invalid blocks unpacks one KV
     cache group, so a block-level load failure on a layout of two groups or
     more (a Mamba hybrid has at least two) raises ValueError; from 0.31.0 a
-    RuntimeError names the limit. 0.30.0 recovers instead: the request is
-    failed (the default "fail" policy) and the engine goes on. Patch 0014
-    (0.19.0-0.25.1) leaves out upstream's zeroing of a failed load's
-    unwritten blocks because of the limit: when this test fails, a release
-    recovers in a new way, and 0014 (where it is carried) needs that
-    zeroing back."""
+    RuntimeError names the limit. 0.30.0 recovers instead: under the "fail"
+    policy the request ends with an error, under "recompute" it loads
+    again and finishes, and the engine goes on. Patch 0014 (0.19.0-0.25.1)
+    leaves out upstream's zeroing of a failed load's unwritten blocks
+    because of the limit: when this test fails, a release recovers in a
+    new way, and 0014 (where it is carried) needs that zeroing back."""
     from typing import get_args
 
     from vllm.config.cache import MambaCacheMode
 
     # 'all' where the release has it; 'align' refuses a connector's load
     # before 0.23.0.
-    e = mamba_engine("all" if "all" in get_args(MambaCacheMode) else "align")
+    mode = "all" if "all" in get_args(MambaCacheMode) else "align"
+    e = mamba_engine(mode, kv_load_failure_policy=policy)
     prompt_on_the_cpu_only(e)
     r = e.add_request(PROMPT + list(range(900, 917)), max_tokens=2)
     e.fail_next_load(r, valid_blocks=valid_blocks)
-    if _recovers_hybrid_failures_whole():
-        e.run()
-        assert r in e.stats.finished
-        assert e.runner.violations == []
+    if not _recovers_hybrid_failures_whole():
+        with pytest.raises(
+            (ValueError, RuntimeError), match="unpack|multiple KV cache groups"
+        ):
+            e.run()
         return
-    with pytest.raises(
-        (ValueError, RuntimeError), match="unpack|multiple KV cache groups"
-    ):
-        e.run()
+    e.run()
+    loads = [x for x in e.copy_backend.launched if not x["is_store"]]
+    if policy == "fail":
+        assert (e.stats.finish_reasons[r], len(loads)) == ("ERROR", 1)
+    else:
+        assert (e.stats.finish_reasons[r], len(loads)) == ("LENGTH", 2)
+    assert e.runner.violations == []
 
 
 def test_a_load_failed_by_request_on_a_mamba_hybrid_is_recomputed():
@@ -279,5 +285,5 @@ def test_a_load_failed_by_request_on_a_mamba_hybrid_is_recomputed():
     e.run()
     loads = [x for x in e.copy_backend.launched if not x["is_store"]]
     assert len(loads) == 2, "the failed load, then the retry"
-    assert r in e.stats.finished
+    assert e.stats.finish_reasons[r] == "LENGTH"
     assert e.runner.violations == []

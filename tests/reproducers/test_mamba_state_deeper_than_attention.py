@@ -24,7 +24,7 @@ get_computed_blocks_for_connector).
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 import pytest
 from vllm.v1.request import RequestStatus
@@ -33,6 +33,7 @@ from harness.burst import count_calls
 from harness.engine import Engine, HarnessConfig
 from harness.mamba import (
     attention_evicted_past_the_mamba_state,
+    evict_cached_past,
     mamba_engine,
     mamba_state_evicted_under_the_attention,
     skip_where_a_load_is_refused,
@@ -42,16 +43,21 @@ from harness.offload_checks import first_chunk_and_loads
 EXTENSION = list(range(900, 917))
 
 
+def _recorded_over(e: Engine, act: Callable[[], object]) -> tuple[int, ...]:
+    """What the prefix-cache statistics recorded while `act` ran: requests,
+    hits, preempted requests, their hits."""
+    stats = e.scheduler.kv_cache_manager.prefix_cache_stats
+    fields = ("requests", "hits", "preempted_requests", "preempted_hits")
+    before = [getattr(stats, f) for f in fields]
+    act()
+    return tuple(getattr(stats, f) - b for f, b in zip(fields, before, strict=True))
+
+
 def _extended_and_recorded(e: Engine, prompt: list[int]) -> tuple[str, tuple]:
     """Add a request extending `prompt` and take one step: the request, and
-    the prefix-cache statistics the step added (requests, hits, preempted
-    requests)."""
-    stats = e.scheduler.kv_cache_manager.prefix_cache_stats
-    before = (stats.requests, stats.hits, stats.preempted_requests)
+    what the prefix-cache statistics recorded in that step."""
     req_id = e.add_request(prompt + EXTENSION, max_tokens=2)
-    e.step()
-    after = (stats.requests, stats.hits, stats.preempted_requests)
-    return req_id, tuple(a - b for a, b in zip(after, before, strict=True))
+    return req_id, _recorded_over(e, e.step)
 
 
 def test_a_prompt_whose_last_attention_blocks_were_evicted_is_not_skipped():
@@ -79,7 +85,7 @@ def test_a_prompt_whose_mamba_state_was_evicted_starts_where_a_state_is(lazy):
     assert not read_wrong, f"the extension read a state nobody wrote:\n{read_wrong}"
     assert req_id in e.stats.finished
     # Its local lookup is recorded once, with the hit it took (none).
-    assert recorded == (1, 0, 0)
+    assert recorded == (1, 0, 0, 0)
 
 
 def test_a_load_past_the_attention_hit_brings_the_state():
@@ -118,16 +124,21 @@ def test_each_local_lookup_is_recorded_once(layout):
     with skip_where_a_load_is_refused("align"):
         _, recorded = _extended_and_recorded(e, prompt)
     kept = 80 if layout == "attention-only" else _hit_kept_where_a_load_passes(e)
-    assert recorded == (1, kept, 0)
+    assert recorded == (1, kept, 0, 0)
 
 
 def _hit_kept_where_a_load_passes(e: Engine) -> int:
     """The local hit a request keeps on diverged hits (full attention 64,
-    Mamba none) where the connector loads past them."""
+    Mamba none) where the connector loads past them: full attention's where
+    the scheduler looks each group up on its own for this connector
+    (0.24.0-0.27.1, any connector; from 0.28.0 only one that declares
+    supports_divergent_local_hybrid_hits, as NIXL does and SimpleCPUOffload
+    does not), else the hit every group holds (none)."""
     coordinator = e.scheduler.kv_cache_manager.coordinator
-    if hasattr(coordinator, "find_longest_cache_hit_per_group"):
-        return 64  # full attention's hit, which the connector loads past
-    return 0  # before 0.24.0: the hit every group holds, none
+    per_group = hasattr(coordinator, "find_longest_cache_hit_per_group")
+    connector = e.scheduler.connector
+    declared = getattr(connector, "supports_divergent_local_hybrid_hits", True)
+    return 64 if per_group and declared else 0
 
 
 def test_a_preempted_request_s_diverged_hit_is_recorded_as_preempted():
@@ -140,25 +151,18 @@ def test_a_preempted_request_s_diverged_hit_is_recorded_as_preempted():
     prompt = list(range(100, 180))  # five blocks of 16
     mamba_state_evicted_under_the_attention(e, prompt, attention_kept=4)
     req_id = e.add_request(prompt + EXTENSION, max_tokens=8)
-    s = e.scheduler
-    request = s.requests[req_id]
+    request = e.scheduler.requests[req_id]
     with skip_where_a_load_is_refused("align"):
-        while request.status != RequestStatus.RUNNING:
+        for _ in range(10):  # its load, then its first chunk
+            if request.status == RequestStatus.RUNNING:
+                break
             e.step()
-    block_ids = s.kv_cache_manager.get_block_ids(req_id)
-    # Preempted as the scheduler does: out of the running queue, then back
-    # to waiting with its blocks freed (and cached).
-    s.running.remove(request)
-    s._preempt_request(request, time.monotonic())
-    for ids, keep in zip(block_ids, (4, 0), strict=True):
-        for block_id in ids[keep:]:
-            e.block_pool._maybe_evict_cached_block(e.block_pool.blocks[block_id])
-    stats = s.kv_cache_manager.prefix_cache_stats
-    before = (stats.requests, stats.preempted_requests, stats.preempted_hits)
-    e.step()
-    after = (stats.requests, stats.preempted_requests, stats.preempted_hits)
-    recorded = tuple(a - b for a, b in zip(after, before, strict=True))
-    assert recorded == (0, 1, _hit_kept_where_a_load_passes(e))
+    assert request.status == RequestStatus.RUNNING
+    block_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)
+    e.preempt(req_id)
+    evict_cached_past(e, block_ids, (4, 0))
+    recorded = _recorded_over(e, e.step)
+    assert recorded == (0, 0, 1, _hit_kept_where_a_load_passes(e))
     e.run()
     assert req_id in e.stats.finished
     read_wrong = "\n".join(str(v) for v in e.runner.violations)
