@@ -326,6 +326,37 @@ def test_a_failed_load_gives_back_its_blocks_behind_a_holder(preempted_before):
     assert h not in preempted
 
 
+def test_a_cleared_failed_load_is_the_only_block_given_back_that_step():
+    """F's load fails whole while sessions H and G, given inputs that do not
+    fit the 4 free blocks, hold the rest with it. Getting F out of the way
+    gives back its 20 blocks, enough for both: nothing else may be freed in
+    that step (one intervention per step, then the next scan decides), or G
+    recomputes what it had computed for nothing."""
+    prefix = [7000 + t for t in range(20 * BS)]
+    e = loads_in_flight_engine(load_steps=3, policy="priority")
+    e.add_request(prefix, max_tokens=1)
+    e.run()
+    assert e.block_pool.reset_prefix_cache()
+    h = e.add_request([3000 + t for t in range(36 * BS)], 1, "H", resumable=True)
+    g = e.add_request(
+        [5000 + t for t in range(3 * BS)], 1, "G", resumable=True, priority=3
+    )
+    for _ in range(8):
+        e.step()
+    f = e.add_request(prefix + [1] * (2 * BS), 2, "F", priority=2)
+    e.fail_next_load(f)
+    e.step()
+    e.add_request([9000 + t for t in range(5 * BS)], 1, h, resumable=True, priority=1)
+    e.add_request([9500 + t for t in range(12 * BS)], 1, g, resumable=True, priority=3)
+    preempted: set[str] = set()
+    for _ in range(30):
+        preempted |= set(e.step().preempted_req_ids or ())
+        if computed(e, h) > 36 * BS and computed(e, g) > 3 * BS:
+            break
+    assert computed(e, h) > 36 * BS and computed(e, g) > 3 * BS, "stuck"
+    assert preempted == set()
+
+
 def test_no_session_is_freed_for_blocks_a_step_in_flight_gives_back():
     """Under async scheduling with a connector, a request that stops with
     its next step in flight gives its blocks back only once that step is
