@@ -21,6 +21,7 @@ from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok
+from harness.mamba import prompt_on_the_cpu_only
 from harness.offload_checks import loads_in_flight_engine
 from harness.trace_replay import assert_runs_to_the_end, replay
 
@@ -305,9 +306,7 @@ def test_a_failed_load_gives_back_its_blocks_behind_a_holder(preempted_before):
     # F must give them back, and H must run without losing its own KV.
     prefix = [7000 + t for t in range(20 * BS)]
     e = loads_in_flight_engine(load_steps=3, policy="priority")
-    e.add_request(prefix, max_tokens=1)
-    e.run()
-    assert e.block_pool.reset_prefix_cache()
+    prompt_on_the_cpu_only(e, prefix, max_tokens=1)
     h = e.add_request([3000 + t for t in range(40 * BS)], 1, "H", resumable=True)
     for _ in range(8):
         e.step()
@@ -334,9 +333,7 @@ def test_a_cleared_failed_load_is_the_only_block_given_back_that_step():
     recomputes what it had computed for nothing."""
     prefix = [7000 + t for t in range(20 * BS)]
     e = loads_in_flight_engine(load_steps=3, policy="priority")
-    e.add_request(prefix, max_tokens=1)
-    e.run()
-    assert e.block_pool.reset_prefix_cache()
+    prompt_on_the_cpu_only(e, prefix, max_tokens=1)
     h = e.add_request([3000 + t for t in range(36 * BS)], 1, "H", resumable=True)
     g = e.add_request(
         [5000 + t for t in range(3 * BS)], 1, "G", resumable=True, priority=3
