@@ -106,10 +106,14 @@ class StepStats:
     # Time spent in vLLM's Scheduler (schedule + update_from_output), not in
     # the fake runner and worker: what a speed comparison should look at.
     scheduler_seconds: float = 0.0
-    finished: set[str] = field(default_factory=set)
     # Each finished request's reason, by name (STOP, LENGTH, ABORT, ERROR).
     finish_reasons: dict[str, str] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
+
+    @property
+    def finished(self) -> set[str]:
+        """The requests that finished, for whatever reason."""
+        return set(self.finish_reasons)
 
 
 class Engine:
@@ -424,7 +428,6 @@ class Engine:
         for outputs in engine_outputs.values():
             for o in outputs.outputs:
                 if o.finish_reason is not None:
-                    self.stats.finished.add(o.request_id)
                     self.stats.finish_reasons[o.request_id] = o.finish_reason.name
 
     def step_until_waiting_for_input(self, req_id: str, max_steps: int = 20) -> None:

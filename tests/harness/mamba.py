@@ -64,8 +64,11 @@ def _cached_blocks_evicted(
     request = e.scheduler.requests[req_id]
     # Read once the whole prompt is computed (a release may split it into
     # chunks at Mamba block boundaries), while the request holds its blocks.
-    while request.num_computed_tokens < len(prompt):
+    for _ in range(len(prompt)):  # a token a step at the least
+        if request.num_computed_tokens >= len(prompt):
+            break
         e.step()
+    assert request.num_computed_tokens >= len(prompt), "the prompt never ran"
     block_ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)
     e.run()
     evict_cached_past(e, block_ids, kept)
