@@ -65,7 +65,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.simple_kv_offload.worker import SimpleCPUOffloadWorker
 from vllm.v1.structured_output import StructuredOutputManager
 
-from harness import end_state, queue_state, reservation_check
+from harness import end_state, queue_state, reservation_check, steps_in_flight
 from harness.config import (
     HarnessConfig,
     make_kv_cache_config,
@@ -407,6 +407,7 @@ class Engine:
         start = time.perf_counter()
         so = self.scheduler.schedule()
         self.stats.scheduler_seconds += time.perf_counter() - start
+        steps_in_flight.check(self, so)
         self.stats.preemptions += len(so.preempted_req_ids or ())
         self.stats.scheduled_tokens += so.total_num_scheduled_tokens
         out = worker_step(

@@ -5,6 +5,9 @@ tests/harness_tests/test_upstream_reports.py)."""
 
 from __future__ import annotations
 
+import queue
+from typing import Any
+
 from harness.engine import Engine, HarnessConfig
 
 
@@ -65,3 +68,26 @@ def held_gpu_blocks(e: Engine) -> int:
     """GPU blocks not in the free queue (the null block aside): held by a
     request or by a transfer in flight."""
     return e.cfg.num_gpu_blocks - 1 - e.block_pool.get_num_free_blocks()
+
+
+def engine_core_proc(e: Engine) -> Any:
+    """vLLM's EngineCoreProc around the harness's engine, for its own
+    `_process_engine_step` (a step, its outputs queued, and the busy loop's
+    yield after a step that ran no forward): built without `__init__`,
+    which starts a model executor and sockets; its step is the harness's
+    step, and its post-step hook (draft tokens of a synchronous spec-decode
+    step) does nothing. Imported here: the engine core module pulls in the
+    executor and messaging stack, which the other helpers do not need."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    proc = EngineCoreProc.__new__(EngineCoreProc)
+    proc.scheduler = e.scheduler
+    proc.output_queue = queue.Queue()
+
+    def step_fn() -> tuple[dict, bool]:
+        so = e.step()
+        return {}, so is not None and so.total_num_scheduled_tokens > 0
+
+    proc.step_fn = step_fn
+    proc.post_step = lambda model_executed: None
+    return proc

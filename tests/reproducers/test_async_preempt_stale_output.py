@@ -75,3 +75,74 @@ def test_a_request_finished_by_its_in_flight_output_leaves_the_queues():
         sampled_token(b, 32 + i) for i in range(17)
     ]
     assert e.runner.violations == []
+
+
+def test_an_async_scheduler_counts_its_steps_in_flight_whatever_its_config_says(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """vLLM's own tests build an AsyncScheduler whose config has async
+    scheduling off (the CPU platform turns it off) and schedule with a step
+    in flight. Such a scheduler must count its steps in flight as one built
+    for async scheduling does: a request preempted with a step in flight
+    has its placeholders reset, and output not marked stale would take them
+    below zero. Driven as EngineCore drives an AsyncScheduler (a batch queue
+    of two) on a pool two requests cannot share to the end."""
+    import harness.engine
+
+    def async_scheduling_off(cfg: HarnessConfig):
+        config = make_vllm_config(cfg)
+        config.scheduler_config.async_scheduling = False
+        return config
+
+    make_vllm_config = harness.engine.make_vllm_config
+    monkeypatch.setattr(harness.engine, "make_vllm_config", async_scheduling_off)
+    e = Engine(
+        HarnessConfig(
+            num_gpu_blocks=8,
+            offload=False,
+            prefix_caching=False,
+            async_scheduling=True,
+        )
+    )
+    assert not e.vllm_config.scheduler_config.async_scheduling
+    a = e.add_request(list(range(100, 100 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
+    b = e.add_request(list(range(200, 200 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
+    e.run(max_steps=500)
+    assert e.stats.preemptions >= 1
+    assert {a, b} <= e.stats.finished
+    for req_id in (a, b):
+        want = [sampled_token(req_id, PROMPT_LEN + i) for i in range(MAX_TOKENS)]
+        assert list(e.requests[req_id].output_token_ids) == want, req_id
+
+
+def test_a_scheduler_built_without_init_counts_its_steps_in_flight():
+    """vLLM's own tests build schedulers with object.__new__ and set only
+    the attributes they use, then schedule and process output (as
+    test_abort_request_when_structured_output_fsm_cannot_advance does): the
+    series' switch for the count must have a class default, and that
+    default must count, since such a caller may schedule with steps in
+    flight. The engine's scheduler is replaced by a copy made so, without
+    the switch, and driven under async scheduling with a preemption."""
+    e = Engine(
+        HarnessConfig(
+            num_gpu_blocks=8,
+            offload=False,
+            prefix_caching=False,
+            async_scheduling=True,
+            # Its recount wraps the built scheduler's methods.
+            check_reservations=False,
+        )
+    )
+    built = e.scheduler
+    bare = object.__new__(type(built))
+    vars(bare).update(
+        (name, value)
+        for name, value in vars(built).items()
+        if name != "count_steps_in_flight"
+    )
+    e.scheduler = bare
+    a = e.add_request(list(range(100, 100 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
+    b = e.add_request(list(range(200, 200 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
+    e.run(max_steps=500)
+    assert e.stats.preemptions >= 1
+    assert {a, b} <= e.stats.finished

@@ -20,7 +20,11 @@ from __future__ import annotations
 import pytest
 
 from harness.engine import Engine
-from harness.engine_core import held_gpu_blocks, step_as_engine_core
+from harness.engine_core import (
+    engine_core_proc,
+    held_gpu_blocks,
+    step_as_engine_core,
+)
 from harness.engine_core import offload_engine as engine
 
 
@@ -69,18 +73,54 @@ def test_no_store_outlives_the_engines_last_step(
     assert e.scheduler.reset_prefix_cache()
 
 
+def test_an_engine_stepping_for_a_store_yields_between_its_empty_steps(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Once the last request is done, EngineCore steps only for the store
+    still in flight: steps with no forward, each polling the store. Its
+    busy loop must yield the GIL after each one that leaves the store
+    pending (the millisecond's sleep it takes while requests wait for
+    remote KV) rather than spin a core and starve the threads beside it.
+    EngineCoreProc's own step, around the harness's engine."""
+    import time
+
+    e = engine(store_delay=2, max_num_batched_tokens=16)
+    e.add_request(list(range(100, 132)), max_tokens=1)
+    proc = engine_core_proc(e)
+    sleeps: list[float] = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    polls = 0
+    for _ in range(100):
+        if not (e.scheduler.has_requests() or e.in_flight):
+            break
+        before = len(sleeps)
+        executed = proc._process_engine_step()
+        if not executed and e.scheduler.has_requests():
+            # The store is still in flight: the loop steps again at once.
+            polls += 1
+            assert sleeps[before:] == [0.001], "an empty step did not yield"
+    assert polls, "the engine never stepped for its store alone"
+    assert held_gpu_blocks(e) == 0
+
+
 def test_a_multi_connector_answers_for_its_offload_connector():
     """SimpleCPUOffload behind a MultiConnector (with a P/D connector, say)
-    keeps the engine stepping too: MultiConnector asks each connector.
+    keeps the engine stepping too: MultiConnector asks each connector. The
+    other connector here, vLLM's example connector, keeps no transfer going
+    after its requests and answers through the base class's default (False).
     Built around the harness's own connector, without MultiConnector's
     __init__, which would build a second one from the config."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+        ExampleConnector,
+    )
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
         MultiConnector,
     )
 
     e = engine(store_delay=2, max_num_batched_tokens=16)
     multi = MultiConnector.__new__(MultiConnector)
-    multi._connectors = [e.scheduler.connector]
+    example = ExampleConnector.__new__(ExampleConnector)
+    multi._connectors = [example, e.scheduler.connector]
     e.add_request(list(range(100, 132)), max_tokens=1)
     seen = False
     for _ in range(100):
@@ -91,3 +131,4 @@ def test_a_multi_connector_answers_for_its_offload_connector():
         assert multi.has_pending_push_work() == e.offload.has_pending_stores()
     assert seen, "no store was pending while the request ran"
     assert not multi.has_pending_push_work()
+    assert not example.has_pending_push_work()
