@@ -12,9 +12,15 @@ import inspect
 from typing import Any
 
 import torch
+from vllm import SamplingParams
+from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
+
+# The first block's parent hash, as the engine sets it at start-up.
+init_none_hash(sha256)
 
 
 def make_kv_cache_manager(
@@ -52,6 +58,37 @@ def computed_blocks(manager: KVCacheManager, request: Request) -> tuple[Any, int
     here never set it, so what they see is a request without one (0)."""
     blocks, num_tokens, *_ = manager.get_computed_blocks(request)
     return blocks, num_tokens
+
+
+def hashed_request(
+    req_id: str, tokens: list[int], block_size: int, max_tokens: int = 64
+) -> Request:
+    """A request whose blocks are hashed (sha256) in `block_size` tokens, as
+    the scheduler hashes them, for a manager driven without a scheduler."""
+    hasher = get_request_block_hasher(block_size, sha256)
+    return Request(
+        req_id, tokens, SamplingParams(max_tokens=max_tokens), None, block_hasher=hasher
+    )
+
+
+def schedule(manager: KVCacheManager, req: Request, num_tokens: int) -> bool:
+    """One scheduler step for `req`: allocate `num_tokens` new tokens (with
+    the prefix hits of a request that holds nothing yet) and count them as
+    computed. False if allocate_slots refused."""
+    hits, num_hit_tokens = None, 0
+    if req.num_computed_tokens == 0 and manager.enable_caching:
+        hits, num_hit_tokens = computed_blocks(manager, req)
+        num_tokens = min(num_tokens, req.num_tokens - num_hit_tokens)
+    blocks = manager.allocate_slots(
+        req,
+        num_tokens,
+        num_new_computed_tokens=num_hit_tokens,
+        new_computed_blocks=hits,
+    )
+    if blocks is None:
+        return False
+    req.num_computed_tokens += num_hit_tokens + num_tokens
+    return True
 
 
 def group_spec(kind: str, block_size: int) -> Any:

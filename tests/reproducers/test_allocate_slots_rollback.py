@@ -18,27 +18,24 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm import SamplingParams
-from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import (
-    get_request_block_hasher,
-    init_none_hash,
-    make_block_hash_with_group_id,
-)
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.request import Request
 
 from harness.config import unsupported_layout
 from harness.engine import Engine, HarnessConfig
 from harness.invariants import assert_manager_ok, manager_snapshot
-from harness.kv_manager import computed_blocks, make_layout_manager
+from harness.kv_manager import (
+    computed_blocks,
+    hashed_request,
+    make_layout_manager,
+    schedule,
+)
 from harness.logs import warnings_of
 from harness.offload_checks import lost_or_wrong_cpu_blocks
 from harness.peer import PeerEngine
 
 BS = 16
-init_none_hash(sha256)
-HASHER = get_request_block_hasher(BS, sha256)
 
 LAYOUTS = [
     ("full",),
@@ -54,29 +51,7 @@ def make_manager(layout: tuple[str, ...], num_blocks: int) -> KVCacheManager:
 
 
 def make_request(req_id: str, tokens: list[int]) -> Request:
-    return Request(
-        req_id, tokens, SamplingParams(max_tokens=64), None, block_hasher=HASHER
-    )
-
-
-def schedule(manager: KVCacheManager, req: Request, num_tokens: int) -> bool:
-    """One scheduler step for `req`: allocate `num_tokens` new tokens (with
-    the prefix hits of a request that holds nothing yet) and count them as
-    computed. False if allocate_slots refused."""
-    hits, num_hit_tokens = None, 0
-    if req.num_computed_tokens == 0 and manager.enable_caching:
-        hits, num_hit_tokens = computed_blocks(manager, req)
-        num_tokens = min(num_tokens, req.num_tokens - num_hit_tokens)
-    blocks = manager.allocate_slots(
-        req,
-        num_tokens,
-        num_new_computed_tokens=num_hit_tokens,
-        new_computed_blocks=hits,
-    )
-    if blocks is None:
-        return False
-    req.num_computed_tokens += num_hit_tokens + num_tokens
-    return True
+    return hashed_request(req_id, tokens, BS)
 
 
 def refuse_and_compare(

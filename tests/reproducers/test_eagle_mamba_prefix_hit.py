@@ -22,7 +22,12 @@ from __future__ import annotations
 import pytest
 
 from harness.engine import Engine
-from harness.mamba import enable_eagle, mamba_engine, skip_where_a_load_is_refused
+from harness.mamba import (
+    attention_evicted_past_the_mamba_state,
+    enable_eagle,
+    mamba_engine,
+    skip_where_a_load_is_refused,
+)
 
 PREFIX = list(range(100, 164))  # four blocks of 16
 EXTENSION = list(range(900, 917))
@@ -40,13 +45,17 @@ def hit_of(e: Engine, req_id: str) -> int:
     return hit
 
 
-def extended_prefix_hit(e: Engine) -> int:
-    """Cache PREFIX, then run PREFIX + EXTENSION: its prefix hit, checked to
-    read no attention KV that was never computed."""
+def extended_prefix_hit(
+    e: Engine, cached: bool = True, prompt: list[int] = PREFIX + EXTENSION
+) -> int:
+    """Cache PREFIX (unless `cached` is False: the test did), then run
+    `prompt`: its prefix hit, checked to read no attention KV that was
+    never computed."""
     enable_eagle(e)
-    e.add_request(PREFIX, max_tokens=3)
-    e.run()
-    req_id = e.add_request(PREFIX + EXTENSION, max_tokens=2)
+    if cached:
+        e.add_request(PREFIX, max_tokens=3)
+        e.run()
+    req_id = e.add_request(prompt, max_tokens=2)
     hit = hit_of(e, req_id)
     assert e.runner.violations == [], (
         f"a prefix hit of {hit} tokens read attention KV never computed:\n  "
@@ -69,6 +78,22 @@ def test_the_hit_stops_at_the_attention_blocks(chunk):
         # Still a hit: the attention group's three blocks, where the Mamba
         # group has a state too.
         assert hit == 48
+
+
+@pytest.mark.parametrize("scene", ["same-prompt-again", "attention-evicted"])
+def test_no_hit_reads_an_attention_block_the_drop_removed(scene):
+    """Other hits where the Mamba group's state lies past what the attention
+    groups keep after the drop (prefix computed block by block): PREFIX sent
+    again (the lookup stops a token short of the prompt, so attention keeps
+    two or three blocks by release), or PREFIX's attention blocks evicted
+    past the second while its Mamba states stay cached. On 0.20.0-0.25.1
+    the hit follows the Mamba group past the attention blocks."""
+    e = mamba_engine("align", offload=False, max_num_batched_tokens=16)
+    if scene == "attention-evicted":
+        attention_evicted_past_the_mamba_state(e, PREFIX, 2)
+        extended_prefix_hit(e, cached=False)
+    else:
+        extended_prefix_hit(e, prompt=PREFIX)
 
 
 def test_the_hit_stops_at_the_attention_blocks_with_a_connector():

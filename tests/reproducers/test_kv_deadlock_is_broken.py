@@ -20,42 +20,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (
 from vllm.v1.request import RequestStatus
 
 from harness.engine import Engine, HarnessConfig
+from harness.holders import (
+    BS,
+    computed,
+    holders_and_a_failed_load,
+    preempted_over,
+    sessions_holding_most_blocks,
+)
 from harness.invariants import assert_manager_ok
-from harness.mamba import prompt_on_the_cpu_only
 from harness.offload_checks import loads_in_flight_engine
 from harness.trace_replay import assert_runs_to_the_end, replay
-
-BS = 16
-
-
-def sessions_holding_most_blocks(
-    policy: str, log_stats: bool = False
-) -> tuple[Engine, str, str]:
-    """19 usable blocks; sessions A and B have each computed a 120-token
-    prompt and hold 8 blocks, so 3 are free."""
-    e = Engine(
-        HarnessConfig(
-            block_size=BS,
-            num_gpu_blocks=20,
-            offload=False,
-            policy=policy,
-            max_num_batched_tokens=256,
-            log_stats=log_stats,
-        )
-    )
-    a = e.add_request([100 + t for t in range(120)], 1, "A", resumable=True)
-    b = e.add_request([300 + t for t in range(120)], 1, "B", resumable=True, priority=1)
-    for _ in range(3):
-        e.step()
-    free = e.block_pool.get_num_free_blocks()
-    assert free < 4 and not e.scheduler.running, (
-        f"both sessions should idle holding their blocks ({free} free)"
-    )
-    return e, a, b
-
-
-def computed(e: Engine, req_id: str) -> int:
-    return e.scheduler.requests[req_id].num_computed_tokens
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
@@ -106,9 +80,7 @@ def test_the_freed_request_is_reported_as_preempted():
     e, a, b = sessions_holding_most_blocks("priority")
     e.add_request([500 + t for t in range(60)], 2, a, resumable=True, priority=0)
     e.add_request([700 + t for t in range(60)], 2, b, resumable=True, priority=1)
-    preempted: set[str] = set()
-    for _ in range(3):
-        preempted |= set(e.step().preempted_req_ids or ())
+    preempted = preempted_over(e, 3)
     assert preempted == {b}
 
 
@@ -233,9 +205,7 @@ def test_a_session_once_preempted_keeps_its_blocks_with_a_connector():
     e.scheduler.requests[b].num_preemptions = 1  # preempted in an earlier turn
     e.add_request([500 + t for t in range(60)], 2, a, resumable=True, priority=0)
     e.add_request([700 + t for t in range(60)], 2, b, resumable=True, priority=1)
-    preempted: set[str] = set()
-    for _ in range(10):
-        preempted |= set(e.step().preempted_req_ids or ())
+    preempted = preempted_over(e, 10)
     assert b not in preempted
 
 
@@ -291,9 +261,7 @@ def test_a_session_keeps_its_blocks_under_mamba_align():
     e.scheduler.need_mamba_block_aligned_split = True
     e.add_request([500 + t for t in range(60)], 2, a, resumable=True, priority=0)
     e.add_request([700 + t for t in range(60)], 2, b, resumable=True, priority=1)
-    preempted: set[str] = set()
-    for _ in range(10):
-        preempted |= set(e.step().preempted_req_ids or ())
+    preempted = preempted_over(e, 10)
     assert preempted == set()
     assert computed(e, a) == computed(e, b) == 120
 
@@ -304,23 +272,12 @@ def test_a_failed_load_gives_back_its_blocks_behind_a_holder(preempted_before):
     # ahead of F in the order, idles on 40 blocks and is then given input
     # that needs 4 more than the 3 free. F's 20 blocks would cover them:
     # F must give them back, and H must run without losing its own KV.
-    prefix = [7000 + t for t in range(20 * BS)]
-    e = loads_in_flight_engine(load_steps=3, policy="priority")
-    prompt_on_the_cpu_only(e, prefix, max_tokens=1)
-    h = e.add_request([3000 + t for t in range(40 * BS)], 1, "H", resumable=True)
-    for _ in range(8):
-        e.step()
-    if preempted_before:
-        e.scheduler.requests[h].num_preemptions = 1
-    f = e.add_request(prefix + [1] * (2 * BS), 2, "F", priority=2)
-    e.fail_next_load(f)
-    e.step()
+    h = "H"
+    e, _ = holders_and_a_failed_load(
+        (h, 3000, 40, 0), preempted_before=preempted_before
+    )
     e.add_request([9000 + t for t in range(5 * BS)], 1, h, resumable=True, priority=1)
-    preempted: set[str] = set()
-    for _ in range(30):
-        preempted |= set(e.step().preempted_req_ids or ())
-        if computed(e, h) > 40 * BS:
-            break
+    preempted = preempted_over(e, 30, lambda: computed(e, h) > 40 * BS)
     assert computed(e, h) > 40 * BS, "the scheduler is stuck behind a failed load"
     assert h not in preempted
 
@@ -331,25 +288,13 @@ def test_a_cleared_failed_load_is_the_only_block_given_back_that_step():
     gives back its 20 blocks, enough for both: nothing else may be freed in
     that step (one intervention per step, then the next scan decides), or G
     recomputes what it had computed for nothing."""
-    prefix = [7000 + t for t in range(20 * BS)]
-    e = loads_in_flight_engine(load_steps=3, policy="priority")
-    prompt_on_the_cpu_only(e, prefix, max_tokens=1)
-    h = e.add_request([3000 + t for t in range(36 * BS)], 1, "H", resumable=True)
-    g = e.add_request(
-        [5000 + t for t in range(3 * BS)], 1, "G", resumable=True, priority=3
-    )
-    for _ in range(8):
-        e.step()
-    f = e.add_request(prefix + [1] * (2 * BS), 2, "F", priority=2)
-    e.fail_next_load(f)
-    e.step()
+    h, g = "H", "G"
+    e, _ = holders_and_a_failed_load((h, 3000, 36, 0), (g, 5000, 3, 3))
     e.add_request([9000 + t for t in range(5 * BS)], 1, h, resumable=True, priority=1)
     e.add_request([9500 + t for t in range(12 * BS)], 1, g, resumable=True, priority=3)
-    preempted: set[str] = set()
-    for _ in range(30):
-        preempted |= set(e.step().preempted_req_ids or ())
-        if computed(e, h) > 36 * BS and computed(e, g) > 3 * BS:
-            break
+    preempted = preempted_over(
+        e, 30, lambda: computed(e, h) > 36 * BS and computed(e, g) > 3 * BS
+    )
     assert computed(e, h) > 36 * BS and computed(e, g) > 3 * BS, "stuck"
     assert preempted == set()
 
@@ -382,11 +327,7 @@ def test_no_session_is_freed_for_blocks_a_step_in_flight_gives_back():
     # Each session's next input needs 4 blocks more than it holds.
     e.add_request([500 + t for t in range(60)], 2, a, resumable=True)
     e.add_request([700 + t for t in range(60)], 2, b, resumable=True)
-    preempted: set[str] = set()
-    for _ in range(12):
-        so = e.step()
-        if so is not None:
-            preempted |= set(so.preempted_req_ids or ())
+    preempted = preempted_over(e, 12)
     assert c in e.stats.finished
     assert computed(e, a) > 120, "A's input ran once C's blocks came back"
     assert preempted == set(), f"freed for blocks that were coming back: {preempted}"

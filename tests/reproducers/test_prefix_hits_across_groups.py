@@ -14,9 +14,6 @@ checking the KV cache manager after every step of the offload harness.
 from __future__ import annotations
 
 import torch
-from vllm import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -28,19 +25,16 @@ from vllm.v1.request import Request
 from harness.invariants import assert_manager_ok
 from harness.kv_manager import (
     computed_blocks,
+    hashed_request,
     make_kv_cache_manager,
     make_layout_manager,
 )
 
 BS = 16
-init_none_hash(sha256)
-HASHER = get_request_block_hasher(BS, sha256)
 
 
 def make_request(req_id: str, tokens: list[int]) -> Request:
-    return Request(
-        req_id, tokens, SamplingParams(max_tokens=4), None, block_hasher=HASHER
-    )
+    return hashed_request(req_id, tokens, BS, max_tokens=4)
 
 
 def test_external_tokens_do_not_take_another_groups_prefix_hit():
