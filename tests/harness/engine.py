@@ -186,9 +186,11 @@ class Engine:
         self._guard_block_counts()
         if self.cfg.check_reservations:
             reservation_check.install(self.scheduler)
-        # Queue violations found by step(), each with the step it was found
-        # at. A test wants the first to fail it where it happened; a trace or
-        # soak worker records them instead (raise_queue_violations False).
+        # Violations of the scheduler's bookkeeping found by step() (its
+        # queues: harness.queue_state; each request's steps in flight:
+        # harness.steps_in_flight), each with the step it was found at. A
+        # test wants the first to fail it where it happened; a trace or soak
+        # worker records them instead (raise_queue_violations False).
         self.queue_violations: list[str] = []
         # Requests a known upstream heap break left out of order
         # (harness.queue_state.mark_downstream).

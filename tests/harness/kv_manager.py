@@ -19,7 +19,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-# The first block's parent hash, as the engine sets it at start-up.
+# The first block's parent hash, as the engine sets it at start-up (as
+# harness.config does too: both at import, before any request is hashed;
+# without PYTHONHASHSEED each call draws a new one).
 init_none_hash(sha256)
 
 

@@ -220,27 +220,33 @@ def queue_violations(scheduler: Any) -> list[str]:
 
 
 class QueueViolation(AssertionError):
-    """Raised by Engine.step on a queue violation, so that a test fails at
-    the step that broke a queue (distinct from the harness's other
-    assertions, which some tests expect)."""
+    """Raised by Engine.step on a violation of the scheduler's bookkeeping
+    (its queues here, each request's count of its steps in flight in
+    harness.steps_in_flight), so that a test fails at the step that broke
+    it (distinct from the harness's other assertions, which some tests
+    expect)."""
+
+
+def report(engine: Any, found: list[str], what: str) -> None:
+    """Record each violation found on the engine, and raise unless the
+    engine only records them (the trace and soak workers read
+    engine.queue_violations)."""
+    if not found:
+        return
+    engine.queue_violations += found
+    if engine.raise_queue_violations:
+        raise QueueViolation(f"{what}:\n  " + "\n  ".join(found))
 
 
 def check_step(engine: Any, when: str) -> None:
-    """Engine.step's check: record each violation with the step it was
-    found at, and raise unless the engine only records them."""
+    """Engine.step's check: each violation with the step it was found at."""
     if not engine.cfg.check_queues:
         return
     problems = mark_downstream(
         queue_violations(engine.scheduler), engine.known_misplaced
     )
-    if not problems:
-        return
     found = [f"{when} step {engine.stats.steps}: {p}" for p in problems]
-    engine.queue_violations += found
-    if engine.raise_queue_violations:
-        raise QueueViolation(
-            "the scheduler's queues are inconsistent:\n  " + "\n  ".join(found)
-        )
+    report(engine, found, "the scheduler's queues are inconsistent")
 
 
 def assert_queues_ok(scheduler: Any, label: str = "queues") -> None:

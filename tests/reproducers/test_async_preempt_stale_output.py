@@ -89,12 +89,13 @@ def test_an_async_scheduler_counts_its_steps_in_flight_whatever_its_config_says(
     of two) on a pool two requests cannot share to the end."""
     import harness.engine
 
+    make_vllm_config = harness.engine.make_vllm_config
+
     def async_scheduling_off(cfg: HarnessConfig):
         config = make_vllm_config(cfg)
         config.scheduler_config.async_scheduling = False
         return config
 
-    make_vllm_config = harness.engine.make_vllm_config
     monkeypatch.setattr(harness.engine, "make_vllm_config", async_scheduling_off)
     e = Engine(
         HarnessConfig(

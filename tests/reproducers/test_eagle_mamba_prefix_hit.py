@@ -90,6 +90,7 @@ def test_no_hit_reads_an_attention_block_the_drop_removed(scene):
     the hit follows the Mamba group past the attention blocks."""
     e = mamba_engine("align", offload=False, max_num_batched_tokens=16)
     if scene == "attention-evicted":
+        enable_eagle(e)  # before the prefix is cached, as an EAGLE engine
         attention_evicted_past_the_mamba_state(e, PREFIX, 2)
         extended_prefix_hit(e, cached=False)
     else:

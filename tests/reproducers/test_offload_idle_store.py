@@ -17,6 +17,9 @@ only with the rule of 0024: tests/reproducers/test_offload_lazy_idle.py.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from harness.engine import Engine
@@ -82,13 +85,20 @@ def test_an_engine_stepping_for_a_store_yields_between_its_empty_steps(
     pending (the millisecond's sleep it takes while requests wait for
     remote KV) rather than spin a core and starve the threads beside it.
     EngineCoreProc's own step, around the harness's engine."""
-    import time
-
     e = engine(store_delay=2, max_num_batched_tokens=16)
     e.add_request(list(range(100, 132)), max_tokens=1)
     proc = engine_core_proc(e)
     sleeps: list[float] = []
-    monkeypatch.setattr(time, "sleep", sleeps.append)
+    sleep = time.sleep
+
+    def recorded_sleep(seconds: float) -> None:
+        # The engine loop's own sleeps only: another thread's still sleep.
+        if threading.current_thread() is threading.main_thread():
+            sleeps.append(seconds)
+        else:
+            sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", recorded_sleep)
     polls = 0
     for _ in range(100):
         if not (e.scheduler.has_requests() or e.in_flight):
