@@ -92,19 +92,24 @@ class ContentOracle:
             del self._chains[key]
 
 
-def holds_past(got: Any, want: Any, kind: str) -> bool:
+def holds_past(got: Any, want: Any, kind: str, own_full: Any = None) -> bool:
     """Whether a block of `kind` tagged `got` holds the tokens of `want` (a
-    partial block) and more after them. A step reads a block's keys only up
-    to the sequence's length and writes the positions it computes before its
-    attention reads them, so positions past a hit that ends inside a block
-    (a fine-grained hit, whose block another request filled further) are
-    never read stale. Not for a Mamba group, whose block is one state: the
-    state after more tokens is another state."""
+    partial block) and more after them: a longer partial block, or the
+    whole block as the reading request's own tokens fill it (`own_full`,
+    its full tag for that block: a fine-grained hit that ends inside a
+    block another request computed to its end, as an EAGLE drop leaves
+    one). A step reads a block's keys only up to the sequence's length and
+    writes the positions it computes before its attention reads them, so
+    positions past a hit that ends inside a block are never read stale.
+    Not for a Mamba group, whose block is one state: the state after more
+    tokens is another state."""
+    if kind == "mamba" or not isinstance(got, tuple) or want[0] != "part":
+        return False
+    if own_full is not None and got == own_full:
+        return True
     return (
-        kind != "mamba"
-        and isinstance(got, tuple)
-        and len(got) == 4
-        and got[0] == want[0] == "part"
+        len(got) == 4
+        and got[0] == "part"
         and got[1:3] == want[1:3]
         and got[3][: len(want[3])] == want[3]
     )
@@ -260,7 +265,13 @@ class FakeModelRunner:
             if bid != NULL_BLOCK_ID:
                 others = [t for r, t in written.get(bid, ()) if r != req_id]
                 got = others[-1] if others else self.kv.gpu.get(bid)
-            if got != want and not holds_past(got, want, kind):
+            if got == want:
+                continue
+            own_full = None
+            if isinstance(got, tuple) and got[0] == "full" and want[0] == "part":
+                req = self.requests[req_id]
+                own_full = self.oracle.tag(req, g, i, self.oracle.block_size(g))
+            if not holds_past(got, want, kind, own_full):
                 self.violations.append(Violation(step, req_id, g, i, bid, want, got))
         self.forward(f"the forward of step {step}", reads, writes)
         return ModelRunnerOutput(

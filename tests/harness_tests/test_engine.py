@@ -109,6 +109,12 @@ def test_content_check_takes_more_past_a_hit_only_in_an_attention_block():
         None,
     ):
         assert not holds_past(got, want, "full"), got
+    # The whole block, as the reader's own tokens fill it (another request
+    # computed it to its end; the hit ends inside it).
+    full = ("full", 0, 11)
+    assert holds_past(full, want, "full", own_full=full)
+    assert not holds_past(full, want, "full", own_full=("full", 0, 12))
+    assert not holds_past(full, want, "mamba", own_full=full)
 
 
 def test_content_check_reads_what_the_whole_batch_wrote():

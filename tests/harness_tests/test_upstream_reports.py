@@ -326,8 +326,8 @@ def test_an_eager_cpu_hit_inside_an_attention_block(monkeypatch):
     taken: list[tuple[Any, Any]] = []
     check = runner.holds_past
 
-    def holds_past(got: Any, want: Any, kind: str) -> bool:
-        held = check(got, want, kind)
+    def holds_past(got: Any, want: Any, kind: str, own_full: Any = None) -> bool:
+        held = check(got, want, kind, own_full)
         if held:
             taken.append((got, want))
         return held
