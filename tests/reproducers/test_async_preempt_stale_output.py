@@ -26,21 +26,24 @@ PROMPT_LEN = 48
 MAX_TOKENS = 40
 
 
-@pytest.mark.parametrize("num_gpu_blocks", [8, 10])
-def test_a_request_preempted_with_two_steps_in_flight_finishes(num_gpu_blocks):
-    """Two 48-token prompts decoding 40 tokens each on 8 or 10 blocks of 16
-    tokens: the pool cannot hold both to the end, so one is preempted while
-    two of its steps are in flight (three pipeline stages). Both finish,
-    each with the tokens sampled at its own positions, once each."""
-    e = Engine(
+def async_engine(num_gpu_blocks: int = 8, **overrides) -> Engine:
+    """Async scheduling without prefix caching or a connector, on a pool of
+    `num_gpu_blocks` blocks of 16 tokens."""
+    return Engine(
         HarnessConfig(
             num_gpu_blocks=num_gpu_blocks,
             offload=False,
             prefix_caching=False,
             async_scheduling=True,
-            pipeline_parallel_size=3,
+            **overrides,
         )
     )
+
+
+def two_decoders_finish(e: Engine) -> None:
+    """Two 48-token prompts decoding 40 tokens each, more than the pool
+    holds to the end: one is preempted with steps in flight. Both finish,
+    each with the tokens sampled at its own positions, once each."""
     a = e.add_request(list(range(100, 100 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
     b = e.add_request(list(range(200, 200 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
     e.run(max_steps=500)
@@ -52,20 +55,19 @@ def test_a_request_preempted_with_two_steps_in_flight_finishes(num_gpu_blocks):
     assert e.runner.violations == []
 
 
+@pytest.mark.parametrize("num_gpu_blocks", [8, 10])
+def test_a_request_preempted_with_two_steps_in_flight_finishes(num_gpu_blocks):
+    """On 8 or 10 blocks, with three pipeline stages: two of the preempted
+    request's steps are in flight."""
+    two_decoders_finish(async_engine(num_gpu_blocks, pipeline_parallel_size=3))
+
+
 def test_a_request_finished_by_its_in_flight_output_leaves_the_queues():
     """The preempted request's last tokens are in flight: their output
     finishes it while it waits, skipped by the waiting scan until that
     output is in. It must leave the waiting queues as it ends: a finished
     request left there stops the next schedule ("Invalid request status")."""
-    e = Engine(
-        HarnessConfig(
-            num_gpu_blocks=8,
-            offload=False,
-            prefix_caching=False,
-            async_scheduling=True,
-            pipeline_parallel_size=3,
-        )
-    )
+    e = async_engine(pipeline_parallel_size=3)
     a = e.add_request(list(range(100, 148)), max_tokens=MAX_TOKENS)
     b = e.add_request(list(range(200, 232)), max_tokens=17)
     e.run(max_steps=500)
@@ -86,7 +88,7 @@ def test_an_async_scheduler_counts_its_steps_in_flight_whatever_its_config_says(
     for async scheduling does: a request preempted with a step in flight
     has its placeholders reset, and output not marked stale would take them
     below zero. Driven as EngineCore drives an AsyncScheduler (a batch queue
-    of two) on a pool two requests cannot share to the end."""
+    of two)."""
     import harness.engine
 
     make_vllm_config = harness.engine.make_vllm_config
@@ -97,23 +99,9 @@ def test_an_async_scheduler_counts_its_steps_in_flight_whatever_its_config_says(
         return config
 
     monkeypatch.setattr(harness.engine, "make_vllm_config", async_scheduling_off)
-    e = Engine(
-        HarnessConfig(
-            num_gpu_blocks=8,
-            offload=False,
-            prefix_caching=False,
-            async_scheduling=True,
-        )
-    )
+    e = async_engine()
     assert not e.vllm_config.scheduler_config.async_scheduling
-    a = e.add_request(list(range(100, 100 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
-    b = e.add_request(list(range(200, 200 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
-    e.run(max_steps=500)
-    assert e.stats.preemptions >= 1
-    assert {a, b} <= e.stats.finished
-    for req_id in (a, b):
-        want = [sampled_token(req_id, PROMPT_LEN + i) for i in range(MAX_TOKENS)]
-        assert list(e.requests[req_id].output_token_ids) == want, req_id
+    two_decoders_finish(e)
 
 
 def test_a_scheduler_built_without_init_counts_its_steps_in_flight():
@@ -124,16 +112,8 @@ def test_a_scheduler_built_without_init_counts_its_steps_in_flight():
     default must count, since such a caller may schedule with steps in
     flight. The engine's scheduler is replaced by a copy made so, without
     the switch, and driven under async scheduling with a preemption."""
-    e = Engine(
-        HarnessConfig(
-            num_gpu_blocks=8,
-            offload=False,
-            prefix_caching=False,
-            async_scheduling=True,
-            # Its recount wraps the built scheduler's methods.
-            check_reservations=False,
-        )
-    )
+    # The reservations' recount wraps the built scheduler's methods.
+    e = async_engine(check_reservations=False)
     built = e.scheduler
     bare = object.__new__(type(built))
     vars(bare).update(
@@ -142,8 +122,4 @@ def test_a_scheduler_built_without_init_counts_its_steps_in_flight():
         if name != "count_steps_in_flight"
     )
     e.scheduler = bare
-    a = e.add_request(list(range(100, 100 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
-    b = e.add_request(list(range(200, 200 + PROMPT_LEN)), max_tokens=MAX_TOKENS)
-    e.run(max_steps=500)
-    assert e.stats.preemptions >= 1
-    assert {a, b} <= e.stats.finished
+    two_decoders_finish(e)
