@@ -62,11 +62,11 @@ def preempted_over(
 
 def holders_and_a_failed_load(
     *holders: tuple[str, int, int, int], preempted_before: bool = False
-) -> tuple[Engine, str]:
+) -> Engine:
     """Sessions idling on their blocks (each: name, first token, blocks,
     priority), then F (priority 2), whose load of a 20-block prefix from
     the CPU fails whole. With `preempted_before`, the first session was
-    preempted in an earlier turn. Returns the engine and F."""
+    preempted in an earlier turn."""
     prefix = [7000 + t for t in range(20 * BS)]
     e = loads_in_flight_engine(load_steps=3, policy="priority")
     prompt_on_the_cpu_only(e, prefix, max_tokens=1)
@@ -80,4 +80,4 @@ def holders_and_a_failed_load(
     f = e.add_request(prefix + [1] * (2 * BS), 2, "F", priority=2)
     e.fail_next_load(f)
     e.step()
-    return e, f
+    return e

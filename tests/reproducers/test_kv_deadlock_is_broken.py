@@ -273,9 +273,7 @@ def test_a_failed_load_gives_back_its_blocks_behind_a_holder(preempted_before):
     # that needs 4 more than the 3 free. F's 20 blocks would cover them:
     # F must give them back, and H must run without losing its own KV.
     h = "H"
-    e, _ = holders_and_a_failed_load(
-        (h, 3000, 40, 0), preempted_before=preempted_before
-    )
+    e = holders_and_a_failed_load((h, 3000, 40, 0), preempted_before=preempted_before)
     e.add_request([9000 + t for t in range(5 * BS)], 1, h, resumable=True, priority=1)
     preempted = preempted_over(e, 30, lambda: computed(e, h) > 40 * BS)
     assert computed(e, h) > 40 * BS, "the scheduler is stuck behind a failed load"
@@ -289,7 +287,7 @@ def test_a_cleared_failed_load_is_the_only_block_given_back_that_step():
     that step (one intervention per step, then the next scan decides), or G
     recomputes what it had computed for nothing."""
     h, g = "H", "G"
-    e, _ = holders_and_a_failed_load((h, 3000, 36, 0), (g, 5000, 3, 3))
+    e = holders_and_a_failed_load((h, 3000, 36, 0), (g, 5000, 3, 3))
     e.add_request([9000 + t for t in range(5 * BS)], 1, h, resumable=True, priority=1)
     e.add_request([9500 + t for t in range(12 * BS)], 1, g, resumable=True, priority=3)
     preempted = preempted_over(

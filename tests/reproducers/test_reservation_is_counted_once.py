@@ -18,6 +18,8 @@ their series.
 
 from __future__ import annotations
 
+import pytest
+
 from harness.burst import burst_of_cpu_hits, within_linear_bound
 
 
@@ -33,8 +35,6 @@ def test_the_running_total_counts_only_what_changed():
     is left out of its own reserve (a load that failed whole, admitted
     again), one not in flight changes nothing. Skipped where the series has
     no running total (the bare releases)."""
-    import pytest
-
     module = pytest.importorskip("vllm.v1.core.sched.inflight_prefills")
     needs = {f"r{i}": i + 1 for i in range(5)}  # r0 needs 1 block ... r4 5
     counted: list[str] = []
