@@ -4,12 +4,12 @@
 A test is as good as the mutants it kills. For each series (default: all),
 each hunk of each patch is reverted alone on top of the whole series (the
 patched tree with just that hunk undone) and the fast suite runs against
-it: the series' reproducer files and the hypothesis state machines
-(tests/harness_tests/test_stateful.py). The mutant is killed when a test
-fails, or, when none does, when the differential oracle finds it changing
-what the base does where no patch says so (40 traces). A hunk whose revert
-leaves the code's syntax tree unchanged (comments, docstrings) is
-equivalent and not run; so is a hunk listed in
+it: the series' reproducer files, the contract tests (CONTRACT_TESTS) and
+the hypothesis state machines (tests/harness_tests/test_stateful.py). The
+mutant is killed when a test fails, or, when none does, when the
+differential oracle finds it changing what the base does where no patch
+says so (40 traces). A hunk whose revert leaves the code's syntax tree
+unchanged (comments, docstrings) is equivalent and not run; so is a hunk listed in
 scripts/data/equivalent_hunks.toml, with the reason it cannot change
 behaviour. A hunk that a later patch rewrote does not revert alone: it is
 reported as not separable.
@@ -81,6 +81,15 @@ STATE_MACHINES = ROOT / "tests" / "harness_tests" / "test_stateful.py"
 # Tests written to kill semantic mutants that no reproducer did: part of the
 # fast suite of every kind.
 MUTANT_TESTS = ROOT / "tests" / "reproducers" / "test_semantic_mutants.py"
+# Contract tests of code more than one series carries in different patches,
+# so no single series' trailers name them everywhere: the in-flight
+# prefills' running total (0.20.2's admission gate and R4 from 0.23.0) is
+# checked for what it counts by this file, R4's reproducer; without it the
+# 0.20.2 series' candidate-in-flight arm of reserved_blocks went untested
+# (two operator survivors, 2026-12-07). It skips where there is no total.
+CONTRACT_TESTS = [
+    ROOT / "tests" / "reproducers" / "test_reservation_is_counted_once.py"
+]
 # Hunks that cannot change behaviour, by patch subject fragment and a line
 # the hunk adds or removes (exactly, indentation included), with the reason.
 EQUIVALENT = load_claims(DATA / "equivalent_hunks.toml", ("patch", "line"))
@@ -337,6 +346,11 @@ def mutate_series(
     tests = [*files, str(STATE_MACHINES.relative_to(ROOT))]
     if MUTANT_TESTS.exists():
         tests.append(str(MUTANT_TESTS.relative_to(ROOT)))
+    tests += [
+        str(t.relative_to(ROOT))
+        for t in CONTRACT_TESTS
+        if str(t.relative_to(ROOT)) not in tests
+    ]
     hunks = hunks_of(tree, series.base().tag)
     if only:
         hunks = [h for h in hunks if any(f in h.patch for f in only)]
