@@ -128,7 +128,10 @@ def test_a_hit_ending_inside_a_block_is_reported_in_whole_blocks(dcp):
     # Whole blocks, each with the tokens of its size. An attention block is
     # reported as the first request stored it; a Mamba "align" block is not
     # (it holds the state at a point the hit chose, as on the bare release).
-    # Releases whose events carry no group (before 0.28.0) check the first.
     assert all(len(tokens) == size for _, _, tokens, size in reported)
     attention = [block for block in reported if block[0] == 0]
     assert all(block in first for block in attention)
+    # Every whole attention block of the hit (40 tokens) is reported, one
+    # at DCP 2: a report that skips a hit of a single block is a gap too.
+    size = 16 * dcp
+    assert len([block for block in attention if block[3] == size]) == 40 // size
