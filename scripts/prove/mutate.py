@@ -346,11 +346,9 @@ def mutate_series(
     tests = [*files, str(STATE_MACHINES.relative_to(ROOT))]
     if MUTANT_TESTS.exists():
         tests.append(str(MUTANT_TESTS.relative_to(ROOT)))
-    tests += [
-        str(t.relative_to(ROOT))
-        for t in CONTRACT_TESTS
-        if str(t.relative_to(ROOT)) not in tests
-    ]
+    for contract in (str(t.relative_to(ROOT)) for t in CONTRACT_TESTS):
+        if contract not in tests:
+            tests.append(contract)
     hunks = hunks_of(tree, series.base().tag)
     if only:
         hunks = [h for h in hunks if any(f in h.patch for f in only)]

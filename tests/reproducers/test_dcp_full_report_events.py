@@ -1,5 +1,5 @@
-"""A prefix hit reported in full under decode context parallelism (ledger
-row dcp-full-report-events, vllm#50118).
+"""A prefix hit reported in full, under decode context parallelism or ending
+inside a block (ledger row dcp-full-report-events, vllm#50118).
 
 A request with `kv_cache_report_mode="full"` has the scheduler publish a
 BlockStored event for every block its prefix hit reuses, so that a KV-aware
@@ -75,8 +75,7 @@ def stored_blocks(recorder: EventRecorder) -> list[tuple]:
         size = event.block_size
         for i, block_hash in enumerate(event.block_hashes):
             tokens = tuple(event.token_ids[i * size : (i + 1) * size])
-            group = getattr(event, "group_idx", None)
-            blocks.append((group, block_hash, tokens, size))
+            blocks.append((event.group_idx, block_hash, tokens, size))
     recorder.events.clear()
     return blocks
 
