@@ -40,5 +40,17 @@ def test_pip_failing_on_a_full_disk_says_the_disk_is_full(
         venv.pip_install(tmp_path / ".venv", ["six"])
 
 
-def test_free_bytes_reads_the_nearest_existing_parent(tmp_path: Path):
-    assert venv.free_bytes(tmp_path / "not" / "yet") == venv.free_bytes(tmp_path)
+def test_free_bytes_reads_the_nearest_existing_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # Which path is read, not the bytes: other tests write to the same disk
+    # between two reads (make test runs them in parallel).
+    asked: list[Path] = []
+
+    def disk_usage(path: Path) -> SimpleNamespace:
+        asked.append(path)
+        return SimpleNamespace(free=7)
+
+    monkeypatch.setattr(venv.shutil, "disk_usage", disk_usage)
+    assert venv.free_bytes(tmp_path / "not" / "yet") == 7
+    assert asked == [tmp_path]
