@@ -16,7 +16,9 @@ from vllm.config import (
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.utils.hashing import sha256
@@ -116,6 +118,13 @@ class HarnessConfig:
     # a request is scheduled again only once its step's output is back.
     # The fake runner still runs each step as one forward.
     pipeline_parallel_size: int = 1
+    # Speculative decoding with this many draft tokens a step (vLLM's ngram
+    # method, which needs no draft model). The scheduler pads a request
+    # that resumes with one token to 1 + k (from 0.25) and, under async
+    # scheduling, schedules k placeholder drafts for every decode. The fake
+    # runner proposes no drafts and its one sampled token rejects every
+    # draft it is given: each step's accepted count is 0.
+    num_speculative_tokens: int = 0
     # Decode context parallelism, as the scheduler sees it: the release's
     # managers scale a group's block by this many ranks where its KV is
     # striped over them (full attention; from 0.29.0 a Mamba group keeps
@@ -171,14 +180,15 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
                 else {}
             ),
         )
+    model_config = ModelConfig(
+        model=str(MODEL_DIR),
+        dtype="float16",
+        seed=0,
+        skip_tokenizer_init=True,
+        max_model_len=cfg.max_model_len,
+    )
     config = VllmConfig(
-        model_config=ModelConfig(
-            model=str(MODEL_DIR),
-            dtype="float16",
-            seed=0,
-            skip_tokenizer_init=True,
-            max_model_len=cfg.max_model_len,
-        ),
+        model_config=model_config,
         scheduler_config=SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -205,6 +215,7 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
         ),
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig("cpu"),
+        speculative_config=speculative_config(cfg, model_config),
     )
     # The CPU platform turns async scheduling off; a GPU leaves it as asked,
     # and the scheduler reads it (e.g. to defer freeing blocks a step in
@@ -218,6 +229,25 @@ def make_vllm_config(cfg: HarnessConfig) -> VllmConfig:
         cfg.decode_context_parallel_size
     )
     return config
+
+
+def speculative_config(
+    cfg: HarnessConfig, model_config: ModelConfig
+) -> SpeculativeConfig | None:
+    """The ngram speculative config of cfg.num_speculative_tokens drafts a
+    step, or None without speculative decoding."""
+    if not cfg.num_speculative_tokens:
+        return None
+    return SpeculativeConfig(
+        # ngram_gpu under async scheduling, which vLLM refuses with ngram:
+        # the scheduler reads neither (no lookahead slots for either).
+        method="ngram_gpu" if cfg.async_scheduling else "ngram",
+        num_speculative_tokens=cfg.num_speculative_tokens,
+        prompt_lookup_min=1,
+        prompt_lookup_max=cfg.num_speculative_tokens,
+        target_model_config=model_config,
+        target_parallel_config=ParallelConfig(),
+    )
 
 
 def scheduler_options(cfg: HarnessConfig) -> dict[str, Any]:

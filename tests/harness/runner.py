@@ -171,13 +171,22 @@ class FakeModelRunner:
         self.tables: dict[str, list[list[int]]] = {}
         self.violations: list[Violation] = []
         self.num_groups = len(self.block_sizes)
+        # Speculative decoding: each request's tokens computed once its last
+        # step here is done, every draft of it rejected. Under async
+        # scheduling the scheduler counts a step's drafts as computed until
+        # it processes that step's output, so the next step it sends starts
+        # past the truth, and the runner starts it here instead (a real
+        # runner corrects its positions by the accepted count it holds).
+        self._computed_after: dict[str, int] = {}
 
     def _update_tables(self, so: SchedulerOutput) -> dict[str, int]:
         computed: dict[str, int] = {}
         for req_id in so.preempted_req_ids or ():
             self.tables.pop(req_id, None)
+            self._computed_after.pop(req_id, None)
         for req_id in so.finished_req_ids:
             self.tables.pop(req_id, None)
+            self._computed_after.pop(req_id, None)
             self.oracle.forget(req_id)
         for new in so.scheduled_new_reqs:
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
@@ -192,6 +201,9 @@ class FakeModelRunner:
                 for g, ids in enumerate(new_ids):
                     self.tables[req_id][g].extend(ids)
             computed[req_id] = cached.num_computed_tokens[i]
+            truth = self._computed_after.get(req_id)
+            if truth is not None and req_id not in cached.resumed_req_ids:
+                computed[req_id] = min(computed[req_id], truth)
         return computed
 
     def _needed(self, group: int, computed: int) -> range:
@@ -231,9 +243,20 @@ class FakeModelRunner:
         written: dict[int, list[tuple[str, Any]]] = {}
         # What each request reads: (request, group, index, block, tag, kind).
         to_check: list[tuple[str, int, int, int, Any, str]] = []
+        spec = so.scheduled_spec_decode_tokens
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.requests[req_id]
             c = computed[req_id]
+            # The drafts are the step's last tokens, after the one sampled
+            # last; a step with fewer rows than 1 + drafts is no step the
+            # worker can run (vLLM's sampler reads 1 + drafts rows of it).
+            drafts = len(spec.get(req_id, ()))
+            if drafts and n < 1 + drafts:
+                raise AssertionError(
+                    f"step {step}: {req_id} is scheduled {n} tokens with "
+                    f"{drafts} draft tokens: the worker would sample past the "
+                    "tokens the step computes"
+                )
             table = self.tables[req_id]
             for g, bs in enumerate(self.block_sizes):
                 for i in self._needed(g, c):
@@ -253,8 +276,13 @@ class FakeModelRunner:
                         writes[bid] = tag
                         written.setdefault(bid, []).append((req_id, tag))
             req_ids.append(req_id)
-            done_prefill = c + n >= req.num_tokens
-            sampled.append([sampled_token(req_id, c + n)] if done_prefill else [])
+            # Every draft rejected: the token sampled follows the step's
+            # first `n - drafts` tokens.
+            done = c + n - drafts
+            if self.cfg.num_speculative_tokens:
+                self._computed_after[req_id] = done
+            done_prefill = done >= req.num_tokens
+            sampled.append([sampled_token(req_id, done)] if done_prefill else [])
         for req_id, g, i, bid, want, kind in to_check:
             # On a GPU every write of the batch lands before attention reads
             # (layer by layer), so a request reads what any other request of

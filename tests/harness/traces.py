@@ -8,9 +8,10 @@ all, the CPU offload connector (eager or lazy, so async KV loads and
 external tokens), prefix caching on and off, FCFS and priority
 scheduling, chunked prefill on and off, hybrid (full + sliding window)
 groups, preemption (tiny pools, few sequences) and idle sessions holding
-KV. Not yet covered: speculative decoding (lookahead tokens), encoder-
-decoder cross-attention and Mamba groups, which need model runner support
-the harness lacks.
+KV. Not yet covered: speculative decoding (an Engine takes
+HarnessConfig.num_speculative_tokens, but traces do not vary it yet),
+encoder-decoder cross-attention and Mamba groups, which need model runner
+support the harness lacks.
 
 Pure Python and seeded: the base and the series rebuild the same trace
 from the seed, whatever vLLM they run.
