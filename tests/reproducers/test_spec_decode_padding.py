@@ -18,7 +18,10 @@ its full CUDA graph.
   counted computed minus that token: -1 tokens, and the worker dies in
   np.repeat (0.25.0-0.27.1; here update_from_output's assert on the
   count). 0.28.0 skips the request instead; 0.29.0 pads only where the
-  sampled token fits too (PR #53962).
+  sampled token fits too (PR #53962). And where the padded step would
+  not fit at all, 0.25.0-0.28.0 ended the waiting loop on every step with
+  a decode running: the request and every one behind it waited for the
+  running decodes to finish; 0.29.0 schedules it unpadded.
 
 The fake runner rejects every draft (it samples one token a step), and
 raises where a step has fewer tokens than 1 + its drafts.
@@ -78,4 +81,25 @@ def test_a_decode_padded_up_to_max_model_len_leaves_room_for_its_token():
     req = decode_then_resume_with_one_token(e, max_tokens=52 - 49)
     e.run(max_steps=200)
     assert e.stats.finish_reasons[req] == "LENGTH"
+    assert e.runner.violations == []
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_near_max_model_len_does_not_hold_the_queue(async_scheduling):
+    # 48 cached + 1 new token: a padded step would end at 52, past 51.
+    e = Engine(
+        HarnessConfig(
+            offload=False,
+            num_speculative_tokens=K,
+            async_scheduling=async_scheduling,
+            max_model_len=51,
+        )
+    )
+    near = decode_then_resume_with_one_token(e, max_tokens=2)
+    behind = e.add_request([9] * 8, max_tokens=2)
+    e.step()
+    # Both are scheduled at once (the first unpadded), beside the decode.
+    assert e.scheduler.requests[near].num_computed_tokens > 0
+    assert e.scheduler.requests[behind].num_computed_tokens > 0
+    e.run(max_steps=200)
     assert e.runner.violations == []
