@@ -77,6 +77,16 @@ class HarnessConfig:
     # attention group comes after the Mamba group's.
     mamba_block_multiple: int = 1
     mamba_first: bool = False
+    # Model align mode's state writes exactly: one state a step, after its
+    # last token, into that token's block (a block a step starts inside
+    # keeps the state it held). Off, the fake runner tags every block a
+    # step's tokens fall in with the state at its end or the step's, which
+    # hides a chunk that ends inside a block whose boundary is then cached
+    # (ledger row eagle-mamba-align-split-state, PR vllm#51113: with EAGLE,
+    # 0.19.0-0.26.0, base and series alike). Off by default until the
+    # series carry that fix; tests/harness_tests/
+    # test_mamba_align_split_state.py turns it on.
+    mamba_align_state: bool = False
     # A ring-buffer group last (vLLM's CircularBufferSpec, from 0.29.0) of
     # block_size tokens a block, outside prefix caching, as a compressor's
     # state (DeepSeek-V4.1) or a QSA ring (Qwen4Exp) is: its blocks may be

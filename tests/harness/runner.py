@@ -268,8 +268,17 @@ class FakeModelRunner:
                 # The blocks the tokens fall in. In a Mamba group block i
                 # gets the state after its last token (the tag of the tokens
                 # up to there): align mode's table has null blocks but the
-                # one of the step's last token, "all" mode's none.
-                for i in range(c // bs, (c + n - 1) // bs + 1):
+                # one of the step's last token, "all" mode's none. Modelled
+                # exactly (cfg.mamba_align_state), align mode writes one
+                # state, after the step's last token, into that token's
+                # block: a block the step starts inside keeps the state it
+                # held, so a chunk that ends inside a block leaves it a
+                # state short of the block's end.
+                first = c // bs
+                exact = self.cfg.mamba == "align" and self.cfg.mamba_align_state
+                if self.kinds[g] == "mamba" and exact:
+                    first = (c + n - 1) // bs
+                for i in range(first, (c + n - 1) // bs + 1):
                     bid = table[g][i]
                     if bid != NULL_BLOCK_ID:
                         tag = self.oracle.tag(req, g, i, min(bs, c + n - i * bs))
