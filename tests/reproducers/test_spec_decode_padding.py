@@ -29,6 +29,8 @@ raises where a step has fewer tokens than 1 + its drafts.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from harness.engine import Engine, HarnessConfig
@@ -103,3 +105,45 @@ def test_a_request_near_max_model_len_does_not_hold_the_queue(async_scheduling):
     assert e.scheduler.requests[behind].num_computed_tokens > 0
     e.run(max_steps=200)
     assert e.runner.violations == []
+
+
+def pads_waiting_requests() -> bool:
+    """Whether this release pads a waiting request to the speculative
+    width (0.25.0 on)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return "pad_spec_decode" in inspect.getsource(Scheduler.schedule)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "max_model_len", "padded"),
+    [
+        (0, 8192, True),
+        (1 + K, 8192, True),
+        (K, 8192, False),
+        # 48 cached + 1 + K rows + the sampled token: 53 fits, 52 does not.
+        (0, 53, True),
+        (0, 52, False),
+    ],
+)
+def test_the_padding_is_kept_wherever_every_row_and_the_sampled_token_fit(
+    threshold, max_model_len, padded
+):
+    if not pads_waiting_requests():
+        pytest.skip("this release pads no waiting request")
+    e = Engine(
+        HarnessConfig(
+            offload=False,
+            num_speculative_tokens=K,
+            long_prefill_token_threshold=threshold,
+            max_model_len=max_model_len,
+        )
+    )
+    req = decode_then_resume_with_one_token(e, max_tokens=2)
+    so = e.step()
+    assert so is not None and req in so.num_scheduled_tokens
+    drafts = so.scheduled_spec_decode_tokens.get(req, [])
+    if padded:
+        assert (so.num_scheduled_tokens[req], drafts) == (1 + K, [-1] * K)
+    else:
+        assert (so.num_scheduled_tokens[req], drafts) == (1, [])
